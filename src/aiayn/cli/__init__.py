@@ -1,0 +1,64 @@
+"""The ``aiayn`` command line. Each subcommand lives in its own module of this package, which
+defines ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``; heavy imports (torch) happen
+inside ``run`` so ``aiayn --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from aiayn import __version__
+from aiayn.errors import UserError
+
+# name -> module (in the order `aiayn --help` lists them)
+COMMANDS = {
+    "pipeline": "aiayn.cli.pipeline",
+    "vocab": "aiayn.cli.vocab",
+    "train": "aiayn.cli.train",
+    "average": "aiayn.cli.average",
+    "translate": "aiayn.cli.translate",
+    "evaluate": "aiayn.cli.evaluate",
+    "plot": "aiayn.cli.plot",
+    "params": "aiayn.cli.params",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiayn",
+        description="The Transformer of 'Attention Is All You Need' (Vaswani et al., 2017).",
+    )
+    parser.add_argument("--version", action="version", version=f"aiayn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            continue  # a subcommand not built yet
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP,
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (UserError, ValueError, FileNotFoundError) as err:
+        if os.environ.get("AIAYN_DEBUG"):
+            raise
+        print(f"aiayn {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"aiayn {args.command}: interrupted", file=sys.stderr)
+        return 130

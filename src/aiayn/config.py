@@ -1,0 +1,323 @@
+"""Typed, validated configuration: model (§3), data (§5.1), training (§5.2-5.4), decoding (§6.1).
+
+A run is described by one :class:`Config`, made of four frozen dataclasses. Named presets are
+TOML files in ``aiayn/configs/`` (``base``, ``big``, every row of Table 3 as ``table3-A1`` …
+``table3-E``, and small presets for CPU work); a preset may ``extends = "other.toml"`` one level.
+Every value is checked at construction: a bad one raises ``ValueError`` naming the field and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = resources.files("aiayn") / "configs"
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be positive, got {value!r}")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be >= 0, got {value!r}")
+
+
+def _probability(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be in [0, 1), got {value!r}")
+
+
+def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(obj, name)
+    if value not in choices:
+        raise ValueError(f"{type(obj).__name__}.{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of §3 and Table 3. Defaults are the base model."""
+
+    N: int = 6  # layers in each of the encoder and decoder stacks
+    d_model: int = 512
+    d_ff: int = 2048  # inner dimension of the position-wise FFN, §3.3
+    h: int = 8  # attention heads
+    d_k: int = 64  # query/key size per head; Table 3 rows (A), (B) set it apart from d_model/h
+    d_v: int = 64  # value size per head
+    P_drop: float = 0.1  # residual and embedding dropout, §5.4
+    attention_dropout: float = 0.0  # dropout on attention weights (not in the paper)
+    vocab_size: int = 37000  # shared source-target vocabulary, §5.1
+    tgt_vocab_size: int | None = None  # None: shared with the source (§3.4 tying needs that)
+    share_embeddings: bool = True  # one matrix for source, target embeddings and softmax, §3.4
+    positional: str = "sinusoidal"  # or "learned" (Table 3 row E)
+    max_len: int = 1024  # longest sequence the positional table holds, in tokens
+    norm: str = "post"  # "post": LayerNorm(x + Dropout(Sublayer(x))) as §3.1; "pre" optional
+    layer_norm_eps: float = 1e-6
+    pad_id: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "N", "d_model", "d_ff", "h", "d_k", "d_v", "vocab_size", "max_len")
+        _positive(self, "layer_norm_eps")
+        _probability(self, "P_drop", "attention_dropout")
+        _choice(self, "positional", ("sinusoidal", "learned"))
+        _choice(self, "norm", ("post", "pre"))
+        if self.tgt_vocab_size is not None:
+            _positive(self, "tgt_vocab_size")
+        if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):
+            raise ValueError(
+                "ModelConfig.share_embeddings=True needs one shared vocabulary, but "
+                f"vocab_size={self.vocab_size} and tgt_vocab_size={self.tgt_vocab_size}"
+            )
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary")
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.vocab_size if self.tgt_vocab_size is None else self.tgt_vocab_size
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Corpus, vocabulary and batching, §5.1."""
+
+    dataset: str = "multi30k"  # a named dataset, or "files" with the paths below
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    train_src: str | None = None  # with dataset = "files": aligned text files (plain or .gz)
+    train_tgt: str | None = None
+    valid_src: str | None = None
+    valid_tgt: str | None = None
+    vocab_size: int = 8000  # subword vocabulary size learned by `aiayn vocab`
+    vocab_kind: str = "bpe"  # "bpe" (EN-DE) or "wordpiece" (EN-FR), §5.1
+    max_tokens: int = 4096  # tokens per batch on each side, per process, §5.1 used ~25000
+    max_len: int = 256  # pairs longer than this (subword tokens, either side) are dropped
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "max_tokens", "max_len")
+        _choice(self, "vocab_kind", ("bpe", "wordpiece"))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule and regularisation, §5.3-5.4, and run bookkeeping."""
+
+    seed: int = 1
+    epsilon_ls: float = 0.1  # label smoothing, §5.4
+    warmup_steps: int = 4000  # §5.3
+    lr_scale: float = 1.0  # multiplies the §5.3 learning rate (small batches want more)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    accum_steps: int = 1  # batches whose gradients are summed into one update
+    clip_norm: float = 0.0  # 0: no gradient clipping
+    max_steps: int = 100_000  # updates; base trained 100K, big 300K (§5.2)
+    time_budget_s: float = 0.0  # 0: no limit; else stop after this many seconds of training
+    bf16: bool = False  # torch.autocast(dtype=bfloat16)
+    checkpoint_every_steps: int = 0  # 0: off
+    checkpoint_every_s: float = 600.0  # the paper wrote one every 10 minutes, §6.1
+    keep_last: int = 5  # checkpoints kept; averaging uses the last 5 (base) or 20 (big)
+    eval_every_steps: int = 1000
+    eval_bleu_sentences: int = 500  # validation sentences decoded greedily for BLEU; 0: none
+    early_stopping_patience: int = 0  # evaluations without a better BLEU before stopping; 0: off
+    max_nonfinite: int = 10  # non-finite losses in a row before the run stops
+    log_every_steps: int = 50
+
+    def __post_init__(self) -> None:
+        _positive(self, "warmup_steps", "lr_scale", "adam_eps", "accum_steps", "max_steps")
+        _positive(self, "keep_last", "eval_every_steps", "max_nonfinite", "log_every_steps")
+        _non_negative(self, "clip_norm", "time_budget_s", "checkpoint_every_steps")
+        _non_negative(self, "checkpoint_every_s", "eval_bleu_sentences", "weight_decay")
+        _non_negative(self, "early_stopping_patience")
+        _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Search as §6.1 ran it: beam 4, length penalty alpha 0.6, max length input + 50."""
+
+    beam_size: int = 4
+    alpha: float = 0.6  # length penalty ((5 + |Y|) / 6) ** alpha, Wu et al. 2016
+    max_len_a: float = 1.0  # maximum output length = max_len_a * input length + max_len_b
+    max_len_b: int = 50
+    batch_size: int = 64  # sentences decoded together
+
+    def __post_init__(self) -> None:
+        _positive(self, "beam_size", "batch_size")
+        _non_negative(self, "alpha", "max_len_a", "max_len_b")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything that shapes a run; saved as ``config.json`` in every run and checkpoint."""
+
+    name: str = "base"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> Config:
+        """Build a config, rejecting unknown sections or fields with the offending name."""
+        return _build(cls, data, source)
+
+    def replace(self, **sections: Any) -> Config:
+        return dataclasses.replace(self, **sections)
+
+    def with_overrides(self, overrides: list[str]) -> Config:
+        """Apply ``section.field=value`` strings (the CLI's ``--set``), type-checked per field."""
+        data = self.to_dict()
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            section, dot, name = key.strip().partition(".")
+            if not sep or not dot:
+                raise ValueError(f"override {item!r} is not of the form section.field=value")
+            if section not in data or not isinstance(data[section], dict):
+                raise ValueError(f"override {item!r}: unknown section {section!r}")
+            if name not in data[section]:
+                raise ValueError(f"override {item!r}: unknown field {section}.{name}")
+            hint = _field_types(_SECTIONS[section])[name]
+            data[section][name] = _parse_value(raw.strip(), hint, f"{section}.{name}")
+        return Config.from_dict(data, source="--set")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "decode": DecodeConfig,
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _parse_value(raw: str, hint: Any, where: str) -> Any:
+    args = typing.get_args(hint)
+    if raw.lower() in ("none", "null") and type(None) in args:
+        return None
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    try:
+        if base is bool:
+            if raw.lower() in ("true", "1", "yes"):
+                return True
+            if raw.lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if base is int:
+            return int(raw)
+        if base is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ValueError(f"{where}: cannot read {raw!r} as {getattr(base, '__name__', base)}")
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    args = typing.get_args(hint)
+    allowed = tuple(a for a in args) if args else (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    base = next((a for a in allowed if a is not type(None)), hint)
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if base is int and isinstance(value, bool) or not isinstance(value, base):
+        raise ValueError(f"{where} must be {getattr(base, '__name__', base)}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], source: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a table, got {data!r}")
+    if cls is Config:
+        unknown = set(data) - {"name", *_SECTIONS}
+        if unknown:
+            raise ValueError(f"{source}: unknown section(s) {sorted(unknown)}; "
+                             f"known: {sorted(_SECTIONS)}")
+        kwargs: dict[str, Any] = {}
+        if "name" in data:
+            kwargs["name"] = str(data["name"])
+        for section, section_cls in _SECTIONS.items():
+            kwargs[section] = _build(section_cls, data.get(section, {}), f"{source} [{section}]")
+        return Config(**kwargs)
+    types = _field_types(cls)
+    unknown = set(data) - set(types)
+    if unknown:
+        raise ValueError(f"{source}: unknown field(s) {sorted(unknown)} for {cls.__name__}")
+    kwargs = {k: _check_type(v, types[k], f"{source} {k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets, e.g. ``base``, ``big``, ``table3-A1``."""
+    return sorted(p.name[:-5] for p in PRESET_DIR.iterdir() if p.name.endswith(".toml"))
+
+
+def _read_toml(path: Path | Any, depth: int = 0) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"{path}: not valid TOML: {err}") from None
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if depth >= 1:
+        raise ValueError(f"{path}: 'extends' may go one level deep only")
+    base = _read_toml(path.parent / parent, depth + 1)
+    for key, value in data.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return base
+
+
+def load_config(name_or_path: str, overrides: list[str] | None = None) -> Config:
+    """Load a preset by name (``base``, ``table3-C3``…) or a TOML/JSON config file.
+
+    Raises:
+        ValueError: unknown preset (the message lists the known ones), unknown field, bad value.
+        FileNotFoundError: a path that does not exist.
+    """
+    path = Path(name_or_path)
+    if path.suffix in (".toml", ".json"):
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        if path.suffix == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+        else:
+            data = _read_toml(path)
+        data.setdefault("name", path.stem)
+        source = str(path)
+    else:
+        preset = PRESET_DIR / f"{name_or_path}.toml"
+        if not preset.is_file():
+            raise ValueError(f"unknown preset {name_or_path!r}; known presets: "
+                             f"{', '.join(preset_names())}")
+        data = _read_toml(preset)
+        data["name"] = name_or_path
+        source = f"preset {name_or_path}"
+    config = Config.from_dict(data, source=source)
+    return config.with_overrides(overrides) if overrides else config

@@ -1,0 +1,330 @@
+"""The Transformer of Vaswani et al. (2017), §3, in one file.
+
+Shape legend: B batch, S source length, T target length, t tokens decoded so far,
+d d_model, h heads, d_k / d_v per-head sizes, V vocabulary size.
+
+Masks are bool and True means "may attend" (the convention of
+``torch.nn.functional.scaled_dot_product_attention``). The source mask ``src_mask`` has shape
+(B, S) and is True at real tokens, False at padding. Targets are right-padded, so the causal mask
+alone keeps every real target position from seeing padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+from aiayn.model.cache import DecoderCache
+
+
+def sinusoid_table(max_len: int, d_model: int) -> Tensor:
+    """Positional encodings of §3.5, shape (max_len, d_model), float32.
+
+    PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+    """
+    pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (ceil(d/2),)
+    angle = pos / torch.pow(10000.0, two_i / d_model)
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return table.float()
+
+
+class PositionalEncoding(nn.Module):
+    """Sinusoidal (§3.5) or learned (Table 3 row E) position vectors.
+
+    ``forward(length, offset)`` returns (length, d_model) for positions offset … offset+length-1.
+    """
+
+    def __init__(self, d_model: int, max_len: int, learned: bool = False) -> None:
+        super().__init__()
+        self.max_len = max_len
+        if learned:
+            self.table = nn.Parameter(torch.empty(max_len, d_model).normal_(0.0, d_model**-0.5))
+        else:
+            self.register_buffer("table", sinusoid_table(max_len, d_model), persistent=False)
+
+    def forward(self, length: int, offset: int = 0) -> Tensor:
+        if offset + length > self.max_len:
+            raise ValueError(
+                f"sequence of {offset + length} tokens exceeds the model's max_len={self.max_len}"
+            )
+        return self.table[offset : offset + length]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention, §3.2.2: Concat(head_1 … head_h) W^O, head_i = Attention(Q W_i^Q, …).
+
+    d_k and d_v are free of d_model / h so that Table 3 rows (A) and (B) can be built.
+    The attention itself is eq. 1, run by ``F.scaled_dot_product_attention``.
+    """
+
+    def __init__(self, d_model: int, h: int, d_k: int, d_v: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.h, self.d_k, self.d_v = h, d_k, d_v
+        self.W_q = nn.Linear(d_model, h * d_k)
+        self.W_k = nn.Linear(d_model, h * d_k)
+        self.W_v = nn.Linear(d_model, h * d_v)
+        self.W_o = nn.Linear(h * d_v, d_model)
+        self.dropout = dropout
+
+    def _split(self, x: Tensor, size: int) -> Tensor:
+        B, L, _ = x.shape
+        return x.view(B, L, self.h, size).transpose(1, 2)  # (B, h, L, size)
+
+    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values of ``x`` (B, L, d_model): each (B, h, L, d_k) and (B, h, L, d_v)."""
+        return self._split(self.W_k(x), self.d_k), self._split(self.W_v(x), self.d_v)
+
+    def forward(
+        self,
+        query: Tensor,
+        kv: tuple[Tensor, Tensor],
+        mask: Tensor | None = None,
+        is_causal: bool = False,
+    ) -> Tensor:
+        """Attend from ``query`` (B, Tq, d_model) over projected keys and values.
+
+        Args:
+            query: (B, Tq, d_model), before the W^Q projection.
+            kv: keys (B, h, Tk, d_k) and values (B, h, Tk, d_v) from :meth:`project_kv`.
+            mask: bool, broadcastable to (B, h, Tq, Tk), True where attention is allowed.
+            is_causal: position i attends to keys 0 … i only (decoder self-attention, §3.2.3).
+
+        Returns:
+            (B, Tq, d_model).
+        """
+        q = self._split(self.W_q(query), self.d_k)  # (B, h, Tq, d_k)
+        k, v = kv
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+        )  # (B, h, Tq, d_v)
+        B, _, Tq, _ = out.shape
+        return self.W_o(out.transpose(1, 2).reshape(B, Tq, self.h * self.d_v))
+
+
+class PositionwiseFeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, §3.3; (B, L, d_model) -> (B, L, d_model)."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.W_1 = nn.Linear(d_model, d_ff)
+        self.W_2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.W_2(F.relu(self.W_1(x)))
+
+
+class _Residual(nn.Module):
+    """One sub-layer's residual wrapper with dropout where §5.4 puts it.
+
+    post-norm (the paper): LayerNorm(x + Dropout(Sublayer(x)));
+    pre-norm (option): x + Dropout(Sublayer(LayerNorm(x))).
+    """
+
+    def __init__(self, d_model: int, P_drop: float, pre_norm: bool, eps: float) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(P_drop)
+        self.pre_norm = pre_norm
+
+    def inner(self, x: Tensor) -> Tensor:
+        """What the sub-layer sees: x itself (post-norm) or LayerNorm(x) (pre-norm)."""
+        return self.norm(x) if self.pre_norm else x
+
+    def outer(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
+        y = x + self.dropout(sublayer_out)
+        return y if self.pre_norm else self.norm(y)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then FFN, each in a residual block, §3.1."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        pre = cfg.norm == "pre"
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.h, cfg.d_k, cfg.d_v,
+                                            cfg.attention_dropout)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff)
+        self.res_attn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
+        self.res_ffn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """x: (B, S, d_model); attn_mask: bool (B, 1, 1, S). Returns (B, S, d_model)."""
+        y = self.res_attn.inner(x)
+        x = self.res_attn.outer(x, self.self_attn(y, self.self_attn.project_kv(y), attn_mask))
+        return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, FFN, §3.1."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        pre = cfg.norm == "pre"
+        args = (cfg.d_model, cfg.h, cfg.d_k, cfg.d_v, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(*args)
+        self.cross_attn = MultiHeadAttention(*args)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff)
+        self.res_self = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
+        self.res_cross = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
+        self.res_ffn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        cross_kv: tuple[Tensor, Tensor],
+        cross_mask: Tensor | None,
+        cache: DecoderCache | None = None,
+        layer: int = 0,
+    ) -> Tensor:
+        """x: (B, T, d_model); cross_kv: encoder keys/values (B, h, S, d_k|d_v) of this layer.
+
+        Without a cache, T is the whole (shifted) target and attention is causal. With a cache,
+        x holds the new positions only; their keys and values are appended to the cache and
+        they attend to everything cached (all earlier positions), so nothing is recomputed.
+        """
+        y = self.res_self.inner(x)
+        kv = self.self_attn.project_kv(y)
+        if cache is None:
+            attn = self.self_attn(y, kv, is_causal=True)
+        else:
+            kv = cache.append_self(layer, *kv)
+            causal = None
+            if x.shape[1] > 1:  # several new positions at once: causal among them
+                t_new, t_all = x.shape[1], kv[0].shape[2]
+                causal = torch.ones(t_new, t_all, dtype=torch.bool, device=x.device).tril(
+                    t_all - t_new)
+            attn = self.self_attn(y, kv, causal)
+        x = self.res_self.outer(x, attn)
+        y = self.res_cross.inner(x)
+        x = self.res_cross.outer(x, self.cross_attn(y, cross_kv, cross_mask))
+        return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer, §3, configured by :class:`~aiayn.config.ModelConfig`.
+
+    Typical use::
+
+        logits = model(src, tgt_in)                      # training, teacher forcing
+        memory, src_mask = model.encode(src)             # decoding
+        cache = model.start_cache(memory, src_mask)      # cross-attention K/V computed once
+        logits = model.decode_step(tokens, cache)        # (B, V) for the next token
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.src_embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.share_embeddings:
+            self.tgt_embed = self.src_embed  # §3.4: one matrix for both embeddings and softmax
+        else:
+            self.tgt_embed = nn.Embedding(cfg.target_vocab_size, cfg.d_model)
+        self.positions = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.positional == "learned")
+        self.embed_dropout = nn.Dropout(cfg.P_drop)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.N))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.N))
+        pre = cfg.norm == "pre"  # pre-norm stacks end in a LayerNorm of their own
+        self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
+        self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
+        self.embed_scale = math.sqrt(cfg.d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections, zero biases, N(0, d_model^-0.5) embeddings."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        nn.init.normal_(self.src_embed.weight, 0.0, self.config.d_model**-0.5)
+        if self.tgt_embed is not self.src_embed:
+            nn.init.normal_(self.tgt_embed.weight, 0.0, self.config.d_model**-0.5)
+
+    def _embed(self, embedding: nn.Embedding, tokens: Tensor, offset: int = 0) -> Tensor:
+        # §3.4: embedding weights multiplied by sqrt(d_model); §3.5: positions added;
+        # §5.4: dropout on the sum.
+        x = embedding(tokens) * self.embed_scale + self.positions(tokens.shape[1], offset)
+        return self.embed_dropout(x)
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Run the encoder stack.
+
+        Args:
+            src: token ids (B, S), right-padded with ``pad_id``.
+            src_mask: bool (B, S), True at real tokens; derived from ``pad_id`` when None.
+
+        Returns:
+            memory (B, S, d_model) and the (B, S) source mask.
+        """
+        if src_mask is None:
+            src_mask = src != self.config.pad_id
+        attn_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
+        x = self._embed(self.src_embed, src)
+        for layer in self.encoder:
+            x = layer(x, attn_mask)
+        if self.encoder_norm is not None:
+            x = self.encoder_norm(x)
+        return x, src_mask
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+        """Decoder over a whole shifted-right target (teacher forcing).
+
+        Args:
+            tgt_in: (B, T) ids, beginning with BOS (the output shifted right by one, §3.1).
+            memory: (B, S, d_model) from :meth:`encode`; src_mask: bool (B, S).
+
+        Returns:
+            logits (B, T, V_tgt).
+        """
+        cross_mask = src_mask[:, None, None, :]
+        x = self._embed(self.tgt_embed, tgt_in)
+        for layer in self.decoder:
+            x = layer(x, layer.cross_attn.project_kv(memory), cross_mask)
+        return self.project(x)
+
+    def project(self, x: Tensor) -> Tensor:
+        """Pre-softmax linear map (tied to the target embedding, §3.4): (…, d) -> (…, V_tgt)."""
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return F.linear(x, self.tgt_embed.weight)
+
+    def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V_tgt)."""
+        memory, src_mask = self.encode(src, src_mask)
+        return self.decode(tgt_in, memory, src_mask)
+
+    def start_cache(self, memory: Tensor, src_mask: Tensor) -> DecoderCache:
+        """Incremental decoding state for ``memory`` (B, S, d_model): the encoder-decoder keys
+        and values of every layer are computed here, once per source."""
+        cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
+        return DecoderCache.start(cross, src_mask)
+
+    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """Logits for the position after ``tokens``, reusing and extending ``cache``.
+
+        Args:
+            tokens: (B, t_new) ids of the newest positions (usually t_new = 1).
+            cache: from :meth:`start_cache`, holding the t positions decoded before; it is
+                extended in place by t_new positions.
+
+        Returns:
+            logits (B, t_new, V_tgt); ``[:, -1]`` scores the next token.
+        """
+        cross_mask = cache.src_mask[:, None, None, :]
+        x = self._embed(self.tgt_embed, tokens, offset=cache.length)
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i)
+        cache.length += tokens.shape[1]
+        return self.project(x)
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters, each shared tensor counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
