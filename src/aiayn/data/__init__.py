@@ -1,0 +1,1 @@
+"""Data: subword vocabularies, corpora and token-based batching, §5.1."""

@@ -1,0 +1,179 @@
+"""Token-based batching, §5.1: "Sentence pairs were batched together by approximate sequence
+length. Each training batch contained a set of sentence pairs containing approximately 25000
+source tokens and 25000 target tokens."
+
+A batch here holds at most ``max_tokens`` source tokens and at most ``max_tokens`` target tokens,
+counted with padding (rows × longest row), so the bound also holds for real tokens. Batches are a
+pure function of (lengths, max_tokens, seed, epoch): resuming a run recomputes them and skips the
+ones already seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from aiayn.data.corpus import ParallelCorpus
+from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocabulary
+
+
+@dataclass
+class EncodedCorpus:
+    """Token ids of a corpus; sources end in EOS, targets hold the bare tokens.
+
+    Attributes:
+        src, tgt: per kept pair, token ids.
+        index: per kept pair, its line index in the original corpus.
+        filtered: pairs dropped for exceeding ``max_len``.
+    """
+
+    src: list[list[int]]
+    tgt: list[list[int]]
+    index: list[int]
+    filtered: int = 0
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def src_lengths(self) -> np.ndarray:
+        return np.fromiter((len(s) for s in self.src), dtype=np.int64, count=len(self.src))
+
+    def tgt_lengths(self) -> np.ndarray:
+        """Decoder lengths (tokens + 1 for BOS or EOS)."""
+        return np.fromiter((len(t) + 1 for t in self.tgt), dtype=np.int64, count=len(self.tgt))
+
+
+def encode_corpus(vocab: Vocabulary, corpus: ParallelCorpus, max_len: int) -> EncodedCorpus:
+    """Encode both sides; drop (and count) pairs whose source + EOS or target + EOS exceed
+    ``max_len`` tokens."""
+    src_ids = vocab.encode_batch(corpus.src)
+    tgt_ids = vocab.encode_batch(corpus.tgt)
+    out = EncodedCorpus([], [], [])
+    for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
+        if len(s) + 1 > max_len or len(t) + 1 > max_len:
+            out.filtered += 1
+            continue
+        out.src.append(s + [EOS_ID])
+        out.tgt.append(t)
+        out.index.append(i)
+    return out
+
+
+def make_batches(
+    src_lengths: np.ndarray,
+    tgt_lengths: np.ndarray,
+    max_tokens: int,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    num_shards: int = 1,
+    shard_index: int = 0,
+) -> list[list[int]]:
+    """Group pair indices into batches of similar length.
+
+    Pairs are sorted by (target length, source length) with ties broken at random, cut greedily
+    into batches whose padded size stays within ``max_tokens`` on each side, and the batch order
+    is shuffled. All randomness comes from ``(seed, epoch)``. With ``num_shards`` > 1 the batches
+    are dealt round-robin, so the shards partition the epoch (no pair lost or repeated); shard
+    sizes may then differ by one batch.
+
+    Args:
+        src_lengths, tgt_lengths: (n,) token counts per pair, as fed to the model.
+        max_tokens: bound on rows × longest row, each side.
+
+    Returns:
+        Lists of indices into the corpus, one list per batch.
+
+    Raises:
+        ValueError: a pair longer than ``max_tokens`` (it could never fit), or a bad shard.
+    """
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index={shard_index} is not in [0, num_shards={num_shards})")
+    n = len(src_lengths)
+    if n == 0:
+        return []
+    longest = int(max(src_lengths.max(), tgt_lengths.max()))
+    if longest > max_tokens:
+        raise ValueError(f"a pair of {longest} tokens cannot fit max_tokens={max_tokens}; "
+                         "raise max_tokens or lower the maximum length")
+    rng = np.random.default_rng([seed, epoch])
+    tiebreak = rng.random(n) if shuffle else np.arange(n)
+    order = np.lexsort((tiebreak, src_lengths, tgt_lengths))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    max_src = max_tgt = 0
+    for i in order.tolist():
+        s, t = int(src_lengths[i]), int(tgt_lengths[i])
+        rows = len(current) + 1
+        if current and (max(max_src, s) * rows > max_tokens or max(max_tgt, t) * rows > max_tokens):
+            batches.append(current)
+            current, max_src, max_tgt = [], 0, 0
+        current.append(i)
+        max_src, max_tgt = max(max_src, s), max(max_tgt, t)
+    if current:
+        batches.append(current)
+    if shuffle:
+        perm = rng.permutation(len(batches))
+        batches = [batches[j] for j in perm]
+    return batches[shard_index::num_shards]
+
+
+@dataclass
+class Batch:
+    """Padded tensors for one batch (B rows).
+
+    Attributes:
+        src: (B, S) source ids ending in EOS, right-padded with PAD.
+        tgt_in: (B, T) BOS + target, the decoder input shifted right (§3.1).
+        tgt_out: (B, T) target + EOS, what the decoder must predict; PAD where ignored.
+        indices: the corpus indices of the rows.
+    """
+
+    src: Tensor
+    tgt_in: Tensor
+    tgt_out: Tensor
+    indices: list[int]
+
+    @property
+    def tgt_tokens(self) -> int:
+        return int((self.tgt_out != PAD_ID).sum())
+
+    @property
+    def src_tokens(self) -> int:
+        return int((self.src != PAD_ID).sum())
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device),
+                     self.indices)
+
+
+def collate(corpus: EncodedCorpus, indices: list[int]) -> Batch:
+    """Pad the pairs ``indices`` of ``corpus`` into a :class:`Batch`."""
+    srcs = [corpus.src[i] for i in indices]
+    tgts = [corpus.tgt[i] for i in indices]
+    B = len(indices)
+    S = max(len(s) for s in srcs)
+    T = max(len(t) for t in tgts) + 1
+    src = torch.full((B, S), PAD_ID, dtype=torch.long)
+    tgt_in = torch.full((B, T), PAD_ID, dtype=torch.long)
+    tgt_out = torch.full((B, T), PAD_ID, dtype=torch.long)
+    for r, (s, t) in enumerate(zip(srcs, tgts)):
+        src[r, : len(s)] = torch.tensor(s)
+        tgt_in[r, 0] = BOS_ID
+        tgt_in[r, 1 : len(t) + 1] = torch.tensor(t, dtype=torch.long)
+        tgt_out[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+        tgt_out[r, len(t)] = EOS_ID
+    return Batch(src, tgt_in, tgt_out, [corpus.index[i] for i in indices])
+
+
+def pad_sources(seqs: list[list[int]]) -> Tensor:
+    """Right-pad source id lists (already ending in EOS) into (B, S) with PAD."""
+    S = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), S), PAD_ID, dtype=torch.long)
+    for r, s in enumerate(seqs):
+        out[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out

@@ -1,0 +1,23 @@
+"""Shared fixtures. Real data comes from $AIAYN_DATA_DIR (CI points it at ../shared/data)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The shared data folder; tests that need it skip, saying why, when it is not set."""
+    value = os.environ.get("AIAYN_DATA_DIR")
+    if not value:
+        pytest.skip("AIAYN_DATA_DIR is not set: real-corpus tests need ../shared/data")
+    path = Path(value)
+    if not (path / "multi30k").is_dir():
+        pytest.skip(f"AIAYN_DATA_DIR={value} holds no multi30k/ folder")
+    return path
