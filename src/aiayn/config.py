@@ -9,6 +9,7 @@ Every value is checked at construction: a bad one raises ``ValueError`` naming t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import tomllib
 import typing
@@ -18,6 +19,16 @@ from pathlib import Path
 from typing import Any
 
 PRESET_DIR = resources.files("aiayn") / "configs"
+
+
+def _check_fields(obj: Any) -> None:
+    """Reject a field whose value has the wrong type (an int field given 2.5, a bool given
+    "no"); an int given for a float field is stored as that float."""
+    for name, hint in _field_types(type(obj)).items():
+        value = getattr(obj, name)
+        checked = _check_type(value, hint, f"{type(obj).__name__}.{name}")
+        if checked is not value:
+            object.__setattr__(obj, name, checked)  # frozen: the one sanctioned way to coerce
 
 
 def _positive(obj: Any, *names: str) -> None:
@@ -69,6 +80,7 @@ class ModelConfig:
     pad_id: int = 0
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive(self, "N", "d_model", "d_ff", "h", "d_k", "d_v", "vocab_size", "max_len")
         _positive(self, "layer_norm_eps")
         _probability(self, "P_drop", "attention_dropout")
@@ -104,9 +116,12 @@ class DataConfig:
     vocab_kind: str = "bpe"  # "bpe" (EN-DE) or "wordpiece" (EN-FR), §5.1
     max_tokens: int = 4096  # tokens per batch on each side, per process, §5.1 used ~25000
     max_len: int = 256  # pairs longer than this (subword tokens, either side) are dropped
+    train_limit: int = 0  # use only the first N training pairs (smoke runs); 0: all
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive(self, "vocab_size", "max_tokens", "max_len")
+        _non_negative(self, "train_limit")
         _choice(self, "vocab_kind", ("bpe", "wordpiece"))
 
 
@@ -137,6 +152,7 @@ class TrainConfig:
     log_every_steps: int = 50
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive(self, "warmup_steps", "lr_scale", "adam_eps", "accum_steps", "max_steps")
         _positive(self, "keep_last", "eval_every_steps", "max_nonfinite", "log_every_steps")
         _non_negative(self, "clip_norm", "time_budget_s", "checkpoint_every_steps")
@@ -156,6 +172,7 @@ class DecodeConfig:
     batch_size: int = 64  # sentences decoded together
 
     def __post_init__(self) -> None:
+        _check_fields(self)
         _positive(self, "beam_size", "batch_size")
         _non_negative(self, "alpha", "max_len_a", "max_len_b")
 
@@ -169,6 +186,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -209,6 +229,7 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
