@@ -28,30 +28,45 @@ class EncodedCorpus:
         src, tgt: per kept pair, token ids.
         index: per kept pair, its line index in the original corpus.
         filtered: pairs dropped for exceeding ``max_len``.
+        name: the corpus's name, for messages.
     """
 
     src: list[list[int]]
     tgt: list[list[int]]
     index: list[int]
     filtered: int = 0
+    name: str = "corpus"
 
     def __len__(self) -> int:
         return len(self.src)
 
     def src_lengths(self) -> np.ndarray:
+        """(n,) int64 encoder lengths: source tokens + EOS."""
         return np.fromiter((len(s) for s in self.src), dtype=np.int64, count=len(self.src))
 
     def tgt_lengths(self) -> np.ndarray:
-        """Decoder lengths (tokens + 1 for BOS or EOS)."""
+        """(n,) int64 decoder lengths: target tokens + 1 (BOS in the input, EOS in the output)."""
         return np.fromiter((len(t) + 1 for t in self.tgt), dtype=np.int64, count=len(self.tgt))
+
+    def describe(self) -> str:
+        """One line for logs: pairs kept and pairs filtered for length."""
+        total = len(self) + self.filtered
+        return (f"{self.name}: {len(self)} of {total} pairs kept, {self.filtered} over the "
+                "maximum length filtered")
 
 
 def encode_corpus(vocab: Vocabulary, corpus: ParallelCorpus, max_len: int) -> EncodedCorpus:
-    """Encode both sides; drop (and count) pairs whose source + EOS or target + EOS exceed
-    ``max_len`` tokens."""
+    """Encode both sides; drop pairs whose source + EOS or target + EOS exceed ``max_len``
+    tokens, and count them in ``filtered`` (see :meth:`EncodedCorpus.describe`).
+
+    Raises:
+        ValueError: ``max_len`` < 2 (no pair could be kept).
+    """
+    if max_len < 2:
+        raise ValueError(f"max_len must be at least 2 (a token and EOS), got {max_len}")
     src_ids = vocab.encode_batch(corpus.src)
     tgt_ids = vocab.encode_batch(corpus.tgt)
-    out = EncodedCorpus([], [], [])
+    out = EncodedCorpus([], [], [], name=corpus.name)
     for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
         if len(s) + 1 > max_len or len(t) + 1 > max_len:
             out.filtered += 1
@@ -73,26 +88,39 @@ def make_batches(
     num_shards: int = 1,
     shard_index: int = 0,
 ) -> list[list[int]]:
-    """Group pair indices into batches of similar length.
+    """Group pair indices into batches of similar length, §5.1.
 
     Pairs are sorted by (target length, source length) with ties broken at random, cut greedily
     into batches whose padded size stays within ``max_tokens`` on each side, and the batch order
-    is shuffled. All randomness comes from ``(seed, epoch)``. With ``num_shards`` > 1 the batches
-    are dealt round-robin, so the shards partition the epoch (no pair lost or repeated); shard
-    sizes may then differ by one batch.
+    is shuffled. All randomness comes from ``(seed, epoch)``: the same arguments give the same
+    batches. With ``num_shards`` > 1 the batches are dealt round-robin, so the shards partition
+    the epoch (no pair lost or repeated); the largest batches are first split in two as often as
+    needed for every shard to get the same number of batches (data-parallel processes must take
+    the same number of steps).
 
     Args:
-        src_lengths, tgt_lengths: (n,) token counts per pair, as fed to the model.
-        max_tokens: bound on rows × longest row, each side.
+        src_lengths, tgt_lengths: (n,) int token counts per pair, as fed to the model (see
+            :meth:`EncodedCorpus.src_lengths`, :meth:`EncodedCorpus.tgt_lengths`).
+        max_tokens: bound on rows × longest row, each side, in tokens.
+        seed, epoch: the random state of the tie-breaking and the batch order.
+        shuffle: False gives batches in length order with no randomness.
+        num_shards, shard_index: this process's share of the batches.
 
     Returns:
-        Lists of indices into the corpus, one list per batch.
+        This shard's batches, each a list of indices into the corpus.
 
     Raises:
-        ValueError: a pair longer than ``max_tokens`` (it could never fit), or a bad shard.
+        ValueError: a pair longer than ``max_tokens`` (it could never fit), lengths of different
+            shapes, a bad shard, or fewer pairs than shards.
     """
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index={shard_index} is not in [0, num_shards={num_shards})")
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    src_lengths, tgt_lengths = np.asarray(src_lengths), np.asarray(tgt_lengths)
+    if src_lengths.shape != tgt_lengths.shape or src_lengths.ndim != 1:
+        raise ValueError(f"src_lengths {src_lengths.shape} and tgt_lengths {tgt_lengths.shape} "
+                         "must be 1-D and of one length")
     n = len(src_lengths)
     if n == 0:
         return []
@@ -100,6 +128,8 @@ def make_batches(
     if longest > max_tokens:
         raise ValueError(f"a pair of {longest} tokens cannot fit max_tokens={max_tokens}; "
                          "raise max_tokens or lower the maximum length")
+    if n < num_shards:
+        raise ValueError(f"{n} pairs cannot give each of num_shards={num_shards} shards a batch")
     rng = np.random.default_rng([seed, epoch])
     tiebreak = rng.random(n) if shuffle else np.arange(n)
     order = np.lexsort((tiebreak, src_lengths, tgt_lengths))
@@ -116,10 +146,24 @@ def make_batches(
         max_src, max_tgt = max(max_src, s), max(max_tgt, t)
     if current:
         batches.append(current)
+    if num_shards > 1:
+        batches = _split_to_multiple(batches, num_shards)
     if shuffle:
         perm = rng.permutation(len(batches))
         batches = [batches[j] for j in perm]
     return batches[shard_index::num_shards]
+
+
+def _split_to_multiple(batches: list[list[int]], k: int) -> list[list[int]]:
+    """Split the largest batch in halves, fewer than ``k`` times, until the number of batches is
+    a multiple of ``k``. Halves of a batch fit whatever the batch fit."""
+    batches = list(batches)
+    for _ in range(-len(batches) % k):
+        j = max(range(len(batches)), key=lambda i: len(batches[i]))
+        b = batches[j]
+        assert len(b) >= 2, "n >= k guarantees a batch of two rows while there are < k batches"
+        batches[j : j + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    return batches
 
 
 @dataclass

@@ -12,7 +12,10 @@ token      id    use
 =========  ====  =============================================
 
 Text is split on whitespace with a word-boundary marker (``▁``) kept on the subwords, so
-``decode(encode(text)) == text`` for ordinary input (single spaces, characters seen in training).
+``decode(encode(text)) == text`` for ordinary input: single spaces between words, no surrounding
+whitespace, no ``▁`` of its own, and only characters seen when the vocabulary was learned (an
+unseen character becomes ``<unk>``, which decodes to nothing). Special-token strings that occur in
+the text itself (a literal ``</s>``) are encoded as ordinary text, never as the special ids.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -41,6 +45,9 @@ class Vocabulary:
         for i, tok in enumerate(SPECIAL_TOKENS):
             if tokenizer.token_to_id(tok) != i:
                 raise DataError(f"vocabulary does not define {tok!r} as id {i}")
+        # A literal "</s>" in a sentence must not become EOS (nor "<pad>" padding); not saved
+        # in tokenizer.json, so set on every construction.
+        tokenizer.encode_special_tokens = True
         self.tokenizer = tokenizer
         self.kind = kind
 
@@ -66,8 +73,13 @@ class Vocabulary:
             trainer = trainers.WordPieceTrainer(vocab_size=size, special_tokens=SPECIAL_TOKENS,
                                                 continuing_subword_prefix="##",
                                                 show_progress=False)
+            # The WordPiece decoder puts a space before every piece without "##"; here such a
+            # piece already starts with the "▁" the Metaspace decoder turns into a space, so
+            # remove that extra space again (else "A man" would come back as "A  man").
             tokenizer.decoder = decoders.Sequence([
-                decoders.WordPiece(prefix="##", cleanup=False), decoders.Metaspace(**metaspace)])
+                decoders.WordPiece(prefix="##", cleanup=False),
+                decoders.Replace(" ▁", "▁"),
+                decoders.Metaspace(**metaspace)])
         else:
             raise ValueError(f"vocabulary kind must be 'bpe' or 'wordpiece', got {kind!r}")
         tokenizer.normalizer = normalizers.Strip()
@@ -143,6 +155,48 @@ class Vocabulary:
     def tokens(self, text: str) -> list[str]:
         """Subword strings of ``text`` (for display)."""
         return self.tokenizer.encode(text, add_special_tokens=False).tokens
+
+    def round_trip(self, texts: list[str], examples: int = 5) -> RoundTrip:
+        """Check ``decode(encode(t)) == t`` for every text (stripped first, as corpora are)."""
+        texts = [t.strip() for t in texts]
+        decoded = self.decode_batch(self.encode_batch(texts))
+        failures = [(t, d) for t, d in zip(texts, decoded) if t != d]
+        return RoundTrip(len(texts), len(texts) - len(failures), failures[:examples])
+
+    def check_matches(self, vocab_size: int, fingerprint: str | None = None,
+                      where: str = "checkpoint") -> None:
+        """Raise unless this is the vocabulary a model was built with.
+
+        Args:
+            vocab_size: the model's embedding rows (``ModelConfig.vocab_size``).
+            fingerprint: the :attr:`fingerprint` recorded with the model, if any.
+            where: what the model came from, for the message.
+
+        Raises:
+            DataError: the sizes differ, or the fingerprints do (same size, other tokens).
+        """
+        if len(self) != vocab_size:
+            raise DataError(f"{where}: the vocabulary has {len(self)} tokens but the model "
+                            f"expects vocab_size={vocab_size}; use the vocabulary the model was "
+                            "trained with (the checkpoint's own tokenizer.json)")
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            raise DataError(f"{where}: the vocabulary (fingerprint {self.fingerprint[:12]}) is "
+                            f"not the one the model was trained with ({fingerprint[:12]}), "
+                            f"although both have {vocab_size} tokens")
+
+
+@dataclass(frozen=True)
+class RoundTrip:
+    """Result of :meth:`Vocabulary.round_trip`: ``exact`` of ``total`` texts came back intact."""
+
+    total: int
+    exact: int
+    failures: list[tuple[str, str]]  # (text, decoded), the first few
+
+    @property
+    def rate(self) -> float:
+        """Fraction in [0, 1]; 1.0 for no texts."""
+        return self.exact / self.total if self.total else 1.0
 
 
 def _until_eos(ids: Iterable[int]) -> Iterator[int]:
