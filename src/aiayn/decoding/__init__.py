@@ -1,0 +1,26 @@
+"""Decoding, §6.1: greedy, sampling and beam search over the incremental K/V cache."""
+
+from aiayn.decoding.search import (
+    CachedStep,
+    Hypothesis,
+    SamplingConfig,
+    StepFunction,
+    UncachedStep,
+    beam_search,
+    greedy_search,
+    length_penalty,
+    max_output_lengths,
+)
+from aiayn.decoding.translate import (
+    InputTooLongError,
+    Translation,
+    encode_sources,
+    translate_lines,
+    translate_nbest,
+)
+
+__all__ = [
+    "CachedStep", "Hypothesis", "InputTooLongError", "SamplingConfig", "StepFunction",
+    "Translation", "UncachedStep", "beam_search", "encode_sources", "greedy_search",
+    "length_penalty", "max_output_lengths", "translate_lines", "translate_nbest",
+]

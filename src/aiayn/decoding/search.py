@@ -1,0 +1,377 @@
+"""Search over a step function: greedy, sampling and beam search as §6.1 ran it.
+
+The searches never see the model. They drive a *step function*: an object that maps the newest
+token of every live row to next-token logits, and that can keep or reorder its rows. The model's
+incremental key/value cache is one such object (:class:`CachedStep`); the same weights without
+the cache (:class:`UncachedStep`, for tests and benchmarks) and hand-written stubs are others.
+
+Shape legend: B sentences, K beam size, n live rows, V vocabulary, t tokens generated so far.
+
+Lengths: a hypothesis of ``|Y|`` tokens counts its final EOS. A sentence may generate at most
+``max_lens[b]`` tokens before EOS; at that point only EOS is allowed, so every hypothesis ends
+in EOS and its score includes the EOS probability. PAD and BOS are never generated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID
+
+NEG_INF = float("-inf")
+
+
+class StepFunction(Protocol):
+    """What a search needs from a decoder.
+
+    ``step(tokens)`` takes the newest token of each of the n rows, ``tokens`` long (n,), and
+    returns next-token logits (n, V) (any float dtype); the first call receives BOS. Calling it
+    advances the rows by one position. ``step.select(index)`` returns a step function whose row
+    i continues row ``index[i]`` of this one (index long (n',), repeats allowed).
+    """
+
+    def __call__(self, tokens: Tensor) -> Tensor: ...
+
+    def select(self, index: Tensor) -> StepFunction: ...
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One finished output.
+
+    Attributes:
+        tokens: generated ids, ending in EOS (BOS not included).
+        log_prob: sum of the token log-probabilities (natural log), EOS included.
+        score: ``log_prob / lp(|tokens|)``, the quantity beam search ranks by (equal to
+            ``log_prob`` for greedy search and sampling, and when alpha = 0).
+    """
+
+    tokens: list[int]
+    log_prob: float
+    score: float
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Ancestral sampling instead of argmax (not used in the paper).
+
+    Attributes:
+        temperature: logits are divided by it; > 0.
+        top_k: keep only the k most likely tokens; 0 = all.
+        top_p: keep the smallest set of most likely tokens whose probability reaches top_p
+            (nucleus sampling); 1.0 = all.
+        seed: seed of the sampler's own generator; None = torch's global generator.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
+    """Wu et al. (2016), as used in §6.1: lp(Y) = ((5 + |Y|) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def _log_probs(logits: Tensor, t: int, max_lens: Tensor, min_len: int) -> Tensor:
+    """(n, V) logits -> float32 log-probabilities with the length rules applied.
+
+    PAD and BOS are banned; EOS is banned while t < min_len; rows with t >= max_lens may only
+    take EOS. ``max_lens``: long (n,).
+    """
+    logp = F.log_softmax(logits.float(), dim=-1)
+    logp[:, PAD_ID] = NEG_INF
+    logp[:, BOS_ID] = NEG_INF
+    if t < min_len:
+        logp[:, EOS_ID] = NEG_INF
+    at_max = t >= max_lens
+    if bool(at_max.any()):
+        eos = logp[:, EOS_ID].clone()
+        logp[at_max] = NEG_INF
+        logp[at_max, EOS_ID] = eos[at_max]
+    return logp
+
+
+def _check_lens(max_lens: Tensor, min_len: int) -> None:
+    if max_lens.dim() != 1 or max_lens.numel() == 0:
+        raise ValueError(f"max_lens must be a non-empty 1-D tensor, got shape "
+                         f"{tuple(max_lens.shape)}")
+    if int(max_lens.min()) < 0 or min_len < 0:
+        raise ValueError(f"lengths must be >= 0, got min(max_lens)={int(max_lens.min())}, "
+                         f"min_len={min_len}")
+
+
+def greedy_search(
+    step: StepFunction,
+    max_lens: Tensor,
+    *,
+    min_len: int = 0,
+    sampling: SamplingConfig | None = None,
+) -> list[Hypothesis]:
+    """Pick the most likely token at each position (or sample one), for B sentences at once.
+
+    Rows that reach EOS leave the batch (``step.select``), so the step function only ever
+    computes live rows.
+
+    Args:
+        step: step function with B rows, not yet called.
+        max_lens: long (B,), tokens each sentence may generate before the forced EOS.
+        min_len: EOS is banned before this many tokens (benchmarks use it to fix lengths).
+        sampling: sample from the (temperature / top-k / top-p filtered) distribution instead
+            of taking the argmax.
+
+    Returns:
+        One :class:`Hypothesis` per sentence, in input order (``score == log_prob``).
+
+    Raises:
+        ValueError: bad ``max_lens`` or ``min_len``.
+    """
+    _check_lens(max_lens, min_len)
+    B = max_lens.shape[0]
+    device = max_lens.device
+    generator = None
+    if sampling is not None and sampling.seed is not None:
+        generator = torch.Generator(device=device).manual_seed(sampling.seed)
+    rows = torch.arange(B, device=device)  # sentence of each live row
+    lens = max_lens.clone()
+    tokens = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
+    log_prob = torch.zeros(B, device=device)
+    out_tokens: list[list[int]] = [[] for _ in range(B)]
+    out_logp = [0.0] * B
+    history: list[Tensor] = []  # (n_t,) chosen tokens per step, rows aligned with `rows` then
+    history_rows: list[Tensor] = []
+    t = 0
+    while rows.numel() > 0:
+        logp = _log_probs(step(tokens), t, lens, min_len)  # (n, V)
+        if sampling is None:
+            chosen = logp.argmax(dim=-1)
+        else:
+            chosen = _sample(logp, sampling, generator)
+        log_prob = log_prob + logp.gather(1, chosen[:, None]).squeeze(1)
+        history.append(chosen)
+        history_rows.append(rows)
+        done = chosen == EOS_ID
+        if bool(done.any()):
+            for r, lp in zip(rows[done].tolist(), log_prob[done].tolist()):
+                out_logp[r] = lp
+            keep = (~done).nonzero().squeeze(1)
+            rows, lens, log_prob, chosen = rows[keep], lens[keep], log_prob[keep], chosen[keep]
+            if rows.numel() > 0:
+                step = step.select(keep)
+        tokens = chosen
+        t += 1
+    for chosen, r in zip(history, history_rows):
+        for row, tok in zip(r.tolist(), chosen.tolist()):
+            out_tokens[row].append(tok)
+    return [Hypothesis(out_tokens[b], out_logp[b], out_logp[b]) for b in range(B)]
+
+
+def _sample(logp: Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> Tensor:
+    """Draw one token per row from (n, V) log-probabilities after temperature, top-k, top-p."""
+    scores = logp / cfg.temperature
+    if cfg.top_k > 0 and cfg.top_k < scores.shape[-1]:
+        kth = scores.topk(cfg.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, NEG_INF)
+    if cfg.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first stays)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        scores = scores.masked_fill(drop, NEG_INF)
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def beam_search(
+    step: StepFunction,
+    max_lens: Tensor,
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    nbest: int = 1,
+    min_len: int = 0,
+) -> list[list[Hypothesis]]:
+    """Beam search with the length penalty of Wu et al. (2016), §6.1, for B sentences at once.
+
+    Each sentence keeps K live hypotheses (raw log-probability sums) and its K best finished
+    ones (ranked by ``log_prob / lp(|Y|)``). At every step the 2K best extensions of the live
+    hypotheses are taken; those ending in EOS join the finished set, the K best others stay
+    live. A sentence stops when no live hypothesis can still beat its ``nbest``-th finished one:
+    since log-probabilities only fall as tokens are added, and lp grows with length when
+    alpha >= 0, a live hypothesis of raw score s can at best reach s / lp(max_len + 1)
+    (the early termination of §6.1, as in tensor2tensor). Finished sentences leave the batch
+    (``step.select``), so mixed lengths cost no work on sentences already done.
+
+    Args:
+        step: step function with B rows, not yet called (it is expanded to B*K rows here).
+        max_lens: long (B,), tokens each sentence may generate before the forced EOS.
+        beam_size: K >= 1.
+        alpha: length penalty exponent, >= 0 (0: rank by raw log-probability).
+        nbest: hypotheses returned per sentence, 1 <= nbest <= K.
+        min_len: EOS is banned before this many tokens.
+
+    Returns:
+        For each sentence in input order, ``nbest`` hypotheses, best first (fewer only when
+        fewer than ``nbest`` distinct outputs exist).
+
+    Raises:
+        ValueError: bad beam_size, alpha, nbest or lengths.
+    """
+    _check_lens(max_lens, min_len)
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be in [1, beam_size={beam_size}], got {nbest}")
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0 (early termination relies on it), got {alpha}")
+    K = beam_size
+    B = max_lens.shape[0]
+    device = max_lens.device
+    sentence = torch.arange(B, device=device)  # input index of each live sentence
+    lens = max_lens.clone()  # (n,)
+    step = step.select(torch.arange(B, device=device).repeat_interleave(K))
+    # live: raw log-prob sums (n, K); only beam 0 is alive before the first step
+    live = torch.full((B, K), NEG_INF, device=device)
+    live[:, 0] = 0.0
+    live_tokens = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (n, K, t)
+    fin_score = torch.full((B, K), NEG_INF, device=device)  # (n, K) sorted, best first
+    fin_logp = torch.full((B, K), NEG_INF, device=device)
+    fin_tokens = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (n, K, t)
+    results: list[list[Hypothesis]] = [[] for _ in range(B)]
+    last = torch.full((B * K,), BOS_ID, dtype=torch.long, device=device)
+    t = 0
+    while True:
+        n = live.shape[0]
+        row_lens = lens.repeat_interleave(K)
+        logp = _log_probs(step(last), t, row_lens, min_len)  # (n*K, V)
+        V = logp.shape[-1]
+        cand = (live.unsqueeze(2) + logp.view(n, K, V)).view(n, K * V)
+        top, idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K)
+        beam, tok = idx // V, idx % V
+        is_eos = tok == EOS_ID
+        # --- finished: merge EOS extensions into the K best finished ------------------------
+        seq = torch.cat([live_tokens.gather(1, beam[:, :, None].expand(-1, -1, t)),
+                         tok.unsqueeze(2)], dim=2)  # (n, 2K, t+1)
+        new_score = torch.where(is_eos, top / length_penalty(t + 1, alpha), NEG_INF)
+        new_logp = torch.where(is_eos, top, NEG_INF)
+        pad = torch.full((n, K, 1), EOS_ID, dtype=torch.long, device=device)
+        all_tokens = torch.cat([torch.cat([fin_tokens, pad], dim=2), seq], dim=1)
+        all_score = torch.cat([fin_score, new_score], dim=1)
+        all_logp = torch.cat([fin_logp, new_logp], dim=1)
+        fin_score, pick = all_score.topk(K, dim=1)  # stable order not needed: ties are rare
+        fin_logp = all_logp.gather(1, pick)
+        fin_tokens = all_tokens.gather(1, pick[:, :, None].expand(-1, -1, t + 1))
+        # --- live: the K best extensions that did not end -----------------------------------
+        live_top, live_pick = torch.where(is_eos, NEG_INF, top).topk(K, dim=1)  # (n, K)
+        live = live_top
+        src_beam = beam.gather(1, live_pick)  # (n, K) beam each new live hypothesis extends
+        live_tokens = seq.gather(1, live_pick[:, :, None].expand(-1, -1, t + 1))
+        last = tok.gather(1, live_pick).reshape(-1)
+        t += 1
+        # --- early termination, per sentence ------------------------------------------------
+        bound = live[:, 0] / length_penalty((lens + 1).float(), alpha)  # best reachable score
+        done = (fin_score[:, nbest - 1] >= bound) | (live[:, 0] == NEG_INF)
+        rows = (torch.arange(n, device=device)[:, None] * K + src_beam).reshape(-1)
+        if bool(done.any()):
+            for i in done.nonzero().squeeze(1).tolist():
+                hyps = []
+                for k in range(nbest):
+                    s = float(fin_score[i, k])
+                    if s == NEG_INF:
+                        break
+                    toks = fin_tokens[i, k].tolist()
+                    toks = toks[: toks.index(EOS_ID) + 1]
+                    hyps.append(Hypothesis(toks, float(fin_logp[i, k]), s))
+                results[int(sentence[i])] = hyps
+            keep = (~done).nonzero().squeeze(1)
+            if keep.numel() == 0:
+                return results
+            sentence, lens = sentence[keep], lens[keep]
+            live, live_tokens = live[keep], live_tokens[keep]
+            fin_score, fin_logp, fin_tokens = fin_score[keep], fin_logp[keep], fin_tokens[keep]
+            last = last.view(n, K)[keep].reshape(-1)
+            rows = rows.view(n, K)[keep].reshape(-1)
+        step = step.select(rows)
+
+
+# --- step functions over the Transformer ----------------------------------------------------
+
+
+class CachedStep:
+    """Step function over :meth:`Transformer.decode_step` with the incremental K/V cache.
+
+    Each call feeds one token per row and extends the cache by one position; earlier positions
+    are never recomputed. ``select`` reorders the cache rows (beam reordering, pruning).
+    """
+
+    def __init__(self, model, cache) -> None:
+        self.model = model
+        self.cache = cache
+
+    @classmethod
+    def start(cls, model, memory: Tensor, src_mask: Tensor) -> CachedStep:
+        """From encoder output ``memory`` (B, S, d_model) and ``src_mask`` bool (B, S)."""
+        return cls(model, model.start_cache(memory, src_mask))
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        return self.model.decode_step(tokens[:, None], self.cache)[:, -1]  # (n, V)
+
+    def select(self, index: Tensor) -> CachedStep:
+        return CachedStep(self.model, self.cache.index_select(index))
+
+
+class UncachedStep:
+    """The same decoder without a cache: every call reruns :meth:`Transformer.decode` over the
+    whole prefix (quadratic work). For tests and for measuring what the cache gains."""
+
+    def __init__(self, model, memory: Tensor, src_mask: Tensor, prefix: Tensor | None = None):
+        self.model = model
+        self.memory = memory
+        self.src_mask = src_mask
+        self.prefix = prefix if prefix is not None else memory.new_empty(
+            memory.shape[0], 0, dtype=torch.long)
+
+    @classmethod
+    def start(cls, model, memory: Tensor, src_mask: Tensor) -> UncachedStep:
+        return cls(model, memory, src_mask)
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        self.prefix = torch.cat([self.prefix, tokens[:, None]], dim=1)  # (n, t+1)
+        return self.model.decode(self.prefix, self.memory, self.src_mask)[:, -1]
+
+    def select(self, index: Tensor) -> UncachedStep:
+        return UncachedStep(self.model, self.memory.index_select(0, index),
+                            self.src_mask.index_select(0, index),
+                            self.prefix.index_select(0, index))
+
+
+def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
+                       model_max_len: int) -> Tensor:
+    """§6.1: maximum output length = input length + 50, i.e. ``a * len + b`` with a=1, b=50.
+
+    ``src_lengths``: long (B,) source tokens without EOS. Capped at ``model_max_len - 1`` so
+    BOS plus the output fits the positional table. Returns long (B,).
+    """
+    lens = torch.floor(src_lengths.double() * max_len_a + max_len_b).long()
+    return lens.clamp(min=0, max=model_max_len - 1)
+
+
+__all__ = [
+    "CachedStep", "Hypothesis", "SamplingConfig", "StepFunction", "UncachedStep", "beam_search",
+    "greedy_search", "length_penalty", "max_output_lengths",
+]

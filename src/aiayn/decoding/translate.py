@@ -1,0 +1,185 @@
+"""Translate text with a trained model: encode, search (§6.1), detokenize.
+
+Sentences are sorted by length and decoded in batches of ``batch_size``, so padding stays
+small; results come back in input order. An empty (or whitespace-only) line gives an empty
+translation without running the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from aiayn.data.batching import pad_sources
+from aiayn.data.vocab import EOS_ID, Vocabulary
+from aiayn.decoding.search import (
+    CachedStep,
+    Hypothesis,
+    SamplingConfig,
+    UncachedStep,
+    beam_search,
+    greedy_search,
+    max_output_lengths,
+)
+from aiayn.errors import UserError
+
+
+@dataclass(frozen=True)
+class Translation:
+    """One output for one input line.
+
+    Attributes:
+        text: detokenized translation.
+        score: search score (``log_prob / lp(|Y|)`` for beam search, ``log_prob`` otherwise).
+        log_prob: sum of token log-probabilities, EOS included (natural log).
+        tokens: generated ids, EOS included.
+    """
+
+    text: str
+    score: float
+    log_prob: float
+    tokens: list[int]
+
+
+class InputTooLongError(UserError):
+    """A source line has more subword tokens than the model's positional table holds."""
+
+
+def encode_sources(
+    vocab: Vocabulary, lines: list[str], max_len: int, *, long_inputs: str = "truncate",
+    warn: Callable[[str], None] | None = None,
+) -> list[list[int]]:
+    """Token ids of each line plus EOS, as the encoder was trained on (no BOS).
+
+    Args:
+        max_len: the model's ``max_len``; longer sources are truncated to ``max_len - 1``
+            tokens + EOS (``long_inputs="truncate"``, with a warning naming the lines) or
+            rejected (``long_inputs="error"``).
+        warn: receives the warning text; default ``warnings.warn``.
+
+    Raises:
+        InputTooLongError: with ``long_inputs="error"``, naming the first long line (1-based).
+        ValueError: unknown ``long_inputs``.
+    """
+    if long_inputs not in ("truncate", "error"):
+        raise ValueError(f"long_inputs must be 'truncate' or 'error', got {long_inputs!r}")
+    ids = vocab.encode_batch(lines) if lines else []
+    long_lines = [i + 1 for i, s in enumerate(ids) if len(s) + 1 > max_len]
+    if long_lines:
+        first = long_lines[0]
+        msg = (f"{len(long_lines)} input line(s) longer than the model's max_len={max_len} "
+               f"tokens (first: line {first}, {len(ids[first - 1]) + 1} tokens with EOS)")
+        if long_inputs == "error":
+            raise InputTooLongError(msg + "; shorten or split them, or allow truncation")
+        (warn or (lambda m: warnings.warn(m, stacklevel=3)))(msg + f"; truncated to {max_len}")
+    return [s[: max_len - 1] + [EOS_ID] for s in ids]
+
+
+def translate_nbest(
+    model,
+    vocab: Vocabulary,
+    lines: list[str],
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    batch_size: int = 64,
+    nbest: int = 1,
+    sampling: SamplingConfig | None = None,
+    bf16: bool = False,
+    use_cache: bool = True,
+    min_len: int = 0,
+    long_inputs: str = "truncate",
+    warn: Callable[[str], None] | None = None,
+    progress: bool = False,
+) -> list[list[Translation]]:
+    """Translate ``lines``; for each, up to ``nbest`` translations, best first.
+
+    Args:
+        model: a :class:`~aiayn.model.Transformer` (put in eval mode here).
+        beam_size: K; 1 = greedy search (§6.1 used 4). Ignored when ``sampling`` is given.
+        alpha: length penalty, lp(Y) = ((5 + |Y|) / 6) ** alpha (§6.1 used 0.6).
+        max_len_a, max_len_b: at most ``a * source_tokens + b`` output tokens (§6.1: a=1, b=50).
+        batch_size: sentences decoded together (B).
+        nbest: translations per line (<= beam_size; greedy and sampling give 1).
+        sampling: sample instead of searching (see :class:`SamplingConfig`).
+        bf16: run the model under ``torch.autocast(dtype=torch.bfloat16)``.
+        use_cache: False reruns the decoder over the whole prefix each step (benchmarks).
+        min_len: ban EOS before this many tokens (benchmarks fix output lengths with it).
+        long_inputs: "truncate" (warn) or "error"; see :func:`encode_sources`.
+        progress: show a tqdm bar (sentences) on stderr.
+
+    Raises:
+        InputTooLongError: a long line with ``long_inputs="error"``.
+        ValueError: bad search settings.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if nbest > 1 and (beam_size == 1 or sampling is not None):
+        raise ValueError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
+    model.eval()
+    device = next(model.parameters()).device
+    max_len = model.config.max_len
+    sources = encode_sources(vocab, lines, max_len, long_inputs=long_inputs, warn=warn)
+    results: list[list[Translation]] = [[Translation("", 0.0, 0.0, [])] for _ in lines]
+    todo = sorted((i for i, s in enumerate(sources) if len(s) > 1), key=lambda i: -len(sources[i]))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(lines), unit="sent", desc="translate")
+        bar.update(len(lines) - len(todo))
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
+                else contextlib.nullcontext())
+    with torch.inference_mode(), autocast:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            src = pad_sources([sources[i] for i in chunk]).to(device)  # (B, S)
+            memory, src_mask = model.encode(src)
+            src_lengths = src_mask.sum(dim=1) - 1  # without EOS
+            max_lens = max_output_lengths(src_lengths, max_len_a, max_len_b, max_len)
+            step = (CachedStep if use_cache else UncachedStep).start(model, memory, src_mask)
+            if sampling is not None or beam_size == 1:
+                hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
+                                                   sampling=sampling)]
+            else:
+                hyps = beam_search(step, max_lens, beam_size=beam_size, alpha=alpha,
+                                   nbest=nbest, min_len=min_len)
+            for i, hs in zip(chunk, hyps):
+                results[i] = [_to_translation(vocab, h) for h in hs]
+            if bar is not None:
+                bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    return results
+
+
+def _to_translation(vocab: Vocabulary, h: Hypothesis) -> Translation:
+    return Translation(vocab.decode(h.tokens), h.score, h.log_prob, h.tokens)
+
+
+def translate_lines(
+    model,
+    vocab: Vocabulary,
+    lines: list[str],
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    batch_size: int = 64,
+    bf16: bool = False,
+    progress: bool = False,
+) -> list[str]:
+    """The best translation of each line, as text, in input order (§6.1 search by default;
+    ``beam_size=1`` is greedy). An empty line gives an empty string. Long lines are truncated
+    with a warning. See :func:`translate_nbest` for the arguments."""
+    out = translate_nbest(model, vocab, lines, beam_size=beam_size, alpha=alpha,
+                          max_len_a=max_len_a, max_len_b=max_len_b, batch_size=batch_size,
+                          bf16=bf16, progress=progress)
+    return [t[0].text for t in out]

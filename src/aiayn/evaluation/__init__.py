@@ -1,0 +1,18 @@
+"""Evaluation: BLEU and chrF in labelled protocols (see :mod:`aiayn.evaluation.bleu`)."""
+
+from aiayn.evaluation.bleu import (
+    PROTOCOLS,
+    decode_lines,
+    multi30k_tok_bleu,
+    multi30k_tokenize,
+    paper_tok_bleu,
+    paper_tokenize,
+    read_lines,
+    sacrebleu_scores,
+    split_compounds,
+)
+
+__all__ = [
+    "PROTOCOLS", "decode_lines", "multi30k_tok_bleu", "multi30k_tokenize", "paper_tok_bleu",
+    "paper_tokenize", "read_lines", "sacrebleu_scores", "split_compounds",
+]

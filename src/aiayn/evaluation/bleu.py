@@ -1,0 +1,176 @@
+"""BLEU in three protocols, each labelled, so scores compare with the right literature.
+
+1. **sacreBLEU** (the default, recommended): detokenized hypotheses against raw references,
+   sacreBLEU's own tokenizer, with its signature. Also chrF.
+2. **paper** (tokenized BLEU as in Table 2 of the paper and the tensor2tensor
+   ``get_ende_bleu.sh`` script): Moses-tokenize hypotheses and references, split hyphenated
+   compounds as ``a ##AT##-##AT## b`` (EN-DE), then BLEU on tokens. Numbers run higher than
+   sacreBLEU and are not comparable with it.
+3. **multi30k** (the Multi30k literature): lowercase, Moses punctuation normalization, Moses
+   tokenization with escaping, scored with sacreBLEU ``tokenize='none'`` against the shared
+   pre-tokenized references (``multi30k/tok/*.lc.norm.tok.*``).
+
+All functions take hypotheses and references as lists of lines, one per segment.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import re
+from pathlib import Path
+
+from aiayn.errors import DataError
+
+PROTOCOLS = {
+    "sacrebleu": "sacreBLEU on detokenized text (cased, 13a tokenizer)",
+    "paper": "tokenized BLEU as in the paper's Table 2 (Moses tokenizer, ##AT## compound "
+             "splitting for German, cased)",
+    "multi30k": "Multi30k literature protocol (lowercased, Moses-normalized and -tokenized, "
+                "sacreBLEU tokenize='none')",
+}
+
+
+def _check_aligned(hyps: list[str], refs: list[str]) -> None:
+    if len(hyps) != len(refs):
+        raise DataError(f"{len(hyps)} hypotheses but {len(refs)} references: the files must be "
+                        "line-aligned")
+
+
+def sacrebleu_scores(hyps: list[str], refs: list[str]) -> dict:
+    """sacreBLEU BLEU and chrF of detokenized ``hyps`` against one reference per line.
+
+    Returns:
+        dict with ``bleu`` and ``chrf`` (floats, 0-100) and ``bleu_signature``,
+        ``chrf_signature`` (sacreBLEU's reproducibility strings).
+
+    Raises:
+        DataError: the two lists differ in length.
+    """
+    from sacrebleu.metrics import BLEU, CHRF
+
+    _check_aligned(hyps, refs)
+    bleu, chrf = BLEU(), CHRF()
+    b = bleu.corpus_score(hyps, [refs])
+    c = chrf.corpus_score(hyps, [refs])
+    return {"bleu": b.score, "chrf": c.score, "bleu_signature": str(bleu.get_signature()),
+            "chrf_signature": str(chrf.get_signature())}
+
+
+# --- the paper's tokenized BLEU --------------------------------------------------------------
+
+_COMPOUND = re.compile(r"(\S)-(\S)")
+
+
+def split_compounds(line: str) -> str:
+    """``rich-text`` -> ``rich ##AT##-##AT## text``, the compound splitting that GNMT, ConvS2S
+    and the Transformer's EN-DE scores used. Like the Perl ``s{(\\S)-(\\S)}{…}g`` it mirrors,
+    matches do not overlap: in ``x-y-z`` (one-letter parts) only the first hyphen is split."""
+    return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+
+
+@functools.lru_cache(maxsize=8)
+def _moses(lang: str):
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+    return MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
+
+
+def paper_tokenize(line: str, lang: str, compounds: bool | None = None) -> str:
+    """One line as the paper's tokenized BLEU sees it: Unicode punctuation replaced, Moses
+    tokenization (escaped, as ``tokenizer.perl`` does by default), and for German (or when
+    ``compounds`` is True) ``##AT##`` compound splitting."""
+    normalizer, tokenizer = _moses(lang)
+    text = normalizer.replace_unicode_punct(line)
+    text = tokenizer.tokenize(text, escape=True, return_str=True)
+    if compounds if compounds is not None else lang == "de":
+        text = split_compounds(text)
+    return text
+
+
+def paper_tok_bleu(hyps: list[str], refs: list[str], lang: str,
+                   compounds: bool | None = None) -> float:
+    """Tokenized, cased BLEU in the style of the paper's Table 2 (``get_ende_bleu.sh``): both
+    sides Moses-tokenized, German compounds split, then BLEU on the tokens (sacreBLEU with
+    ``tokenize='none'``, which equals ``multi-bleu.perl`` at corpus level).
+
+    Args:
+        hyps, refs: detokenized lines; lang: target language code (e.g. "de").
+
+    Raises:
+        DataError: the two lists differ in length.
+    """
+    from sacrebleu.metrics import BLEU
+
+    _check_aligned(hyps, refs)
+    tok_h = [paper_tokenize(h, lang, compounds) for h in hyps]
+    tok_r = [paper_tokenize(r, lang, compounds) for r in refs]
+    return BLEU(tokenize="none", force=True).corpus_score(tok_h, [tok_r]).score
+
+
+# --- the Multi30k literature's protocol ------------------------------------------------------
+
+
+def multi30k_tokenize(line: str, lang: str) -> str:
+    """Lowercase, ``MosesPunctNormalizer(lang).normalize``, then
+    ``MosesTokenizer(lang).tokenize(escape=True)`` joined by spaces. Applied to the raw
+    ``test_2016_flickr.de`` this reproduces ``tok/test_2016_flickr.lc.norm.tok.de`` exactly."""
+    normalizer, tokenizer = _moses(lang)
+    return " ".join(tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True))
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """Lines of a UTF-8 text file (``.gz`` read transparently), without line endings.
+
+    Raises:
+        FileNotFoundError: no such file.
+        DataError: invalid UTF-8 (with the line number).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    return decode_lines(data, str(path))
+
+
+def decode_lines(data: bytes, name: str) -> list[str]:
+    """Split bytes on ``\\n`` only (``\\r\\n`` tolerated) and decode each line as UTF-8.
+
+    Only ``\\n`` ends a line, so characters such as U+2028 or form feeds inside a sentence keep
+    files line-aligned. A final line without ``\\n`` counts; a trailing ``\\n`` adds no line.
+
+    Raises:
+        DataError: a line that is not valid UTF-8, naming ``name`` and the 1-based line number.
+    """
+    raw = data.split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()
+    lines = []
+    for n, line in enumerate(raw, 1):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise DataError(f"{name}: line {n} is not valid UTF-8 (byte {err.start + 1}: "
+                            f"{err.reason})") from None
+    return lines
+
+
+def multi30k_tok_bleu(hyps: list[str], ref_tok: list[str] | str | Path, lang: str) -> float:
+    """BLEU in the Multi30k literature's protocol: ``hyps`` (detokenized) pass through
+    :func:`multi30k_tokenize`; ``ref_tok`` are the already tokenized references, as lines or a
+    path (e.g. ``$AIAYN_DATA_DIR/multi30k/tok/test_2016_flickr.lc.norm.tok.de.gz``); scored with
+    sacreBLEU ``tokenize='none'``.
+
+    Raises:
+        FileNotFoundError / DataError: unreadable reference file, or unaligned line counts.
+    """
+    from sacrebleu.metrics import BLEU
+
+    refs = read_lines(ref_tok) if isinstance(ref_tok, (str, Path)) else list(ref_tok)
+    _check_aligned(hyps, refs)
+    tok_h = [multi30k_tokenize(h, lang) for h in hyps]
+    return BLEU(tokenize="none", force=True).corpus_score(tok_h, [refs]).score
