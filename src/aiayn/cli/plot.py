@@ -1,0 +1,78 @@
+"""``aiayn plot``: training curves of a run as a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HELP = "Plot loss, perplexity, validation BLEU and learning rate against steps (PNG)."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `aiayn train`")
+    p.add_argument("-o", "--output", default=None, metavar="PNG",
+                   help="image to write (default: RUN_DIR/curves.png)")
+
+
+def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Read ``RUN_DIR/metrics.jsonl`` and write a 2x2 figure; returns the PNG path.
+
+    Raises:
+        FileNotFoundError: the run has no metrics.jsonl.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics at {path}: is {run_dir} a run directory?")
+    train, valid = [], []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}, line {number}: not JSON") from None
+        (train if record.get("kind") == "train" else valid).append(record)
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
+    ax = axes[0][0]
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (smoothed)")
+    ax.plot([r["step"] for r in valid if "valid_loss" in r],
+            [r["valid_loss"] for r in valid if "valid_loss" in r], "o-", label="valid")
+    ax.set_title("label-smoothed loss (nats / token)")
+    ax.legend()
+    ax = axes[0][1]
+    ax.plot([r["step"] for r in train], [r["ppl"] for r in train], label="train")
+    ax.plot([r["step"] for r in valid if "valid_ppl" in r],
+            [r["valid_ppl"] for r in valid if "valid_ppl" in r], "o-", label="valid")
+    ax.set_yscale("log")
+    ax.set_title("perplexity (per subword)")
+    ax.legend()
+    ax = axes[1][0]
+    bleu = [r for r in valid if "valid_bleu" in r]
+    ax.plot([r["step"] for r in bleu], [r["valid_bleu"] for r in bleu], "o-", color="C2")
+    ax.set_title("validation BLEU (greedy, sacreBLEU cased)")
+    ax = axes[1][1]
+    ax.plot([r["step"] for r in train], [r["lr"] for r in train], color="C3")
+    ax.set_title("learning rate (§5.3)")
+    for a in axes.flat:
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+    fig.suptitle(f"aiayn run {run_dir.name}")
+    fig.tight_layout()
+    out = Path(output) if output else run_dir / "curves.png"
+    tmp = out.with_name(f".{out.name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(out)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    print(plot_run(args.run_dir, args.output))
+    return 0

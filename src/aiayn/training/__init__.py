@@ -1,0 +1,1 @@
+"""Training: the recipe of §5 (label smoothing, Adam with the warmup schedule, checkpoints)."""
