@@ -71,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, ensure_ascii=False))
         return 0
     print(corpus.describe())
-    if len(vocab) < args.size:
-        print(f"note: the corpus yields only {len(vocab)} tokens, fewer than --size {args.size}")
+    if len(vocab) != args.size:
+        print(f"note: the vocabulary has {len(vocab)} tokens, not --size {args.size} (a small "
+              "corpus gives fewer; an alphabet larger than --size gives more); set the model's "
+              f"vocab_size to {len(vocab)}")
     print(f"{vocab.kind} vocabulary of {len(vocab)} tokens written to {path} "
           f"(learned in {t_learn:.1f} s; {result['total_s']:.1f} s in all)")
     print(f"round trip: {check.exact} of {check.total} lines decode to the original "

@@ -56,6 +56,10 @@ class Vocabulary:
     def learn(cls, texts: Iterable[str], size: int, kind: str = "bpe") -> Vocabulary:
         """Learn a vocabulary of ``size`` tokens (specials included) from ``texts``.
 
+        The result may differ from ``size``: fewer tokens when the texts allow no more merges,
+        more when their characters alone (for word-pieces, also in ``##`` form) exceed it. Use
+        ``len(vocab)`` as the model's ``vocab_size``.
+
         Raises:
             ValueError: ``size`` not above the number of special tokens, or an unknown ``kind``.
         """
