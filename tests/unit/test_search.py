@@ -1,0 +1,262 @@
+"""Greedy, sampling and beam search (§6.1): a stub step function with hand-set probabilities,
+and a real tiny Transformer for exhaustive search, cache equivalence and batching."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.config import load_config
+from aiayn.data.vocab import BOS_ID, EOS_ID, UNK_ID, Vocabulary
+from aiayn.decoding import (
+    CachedStep,
+    InputTooLongError,
+    SamplingConfig,
+    UncachedStep,
+    beam_search,
+    greedy_search,
+    length_penalty,
+    translate_lines,
+    translate_nbest,
+)
+from aiayn.model import Transformer
+
+A, B_ = 4, 5  # the two ordinary tokens of the stub vocabulary (V = 6)
+
+
+class StubStep:
+    """Step function whose next-token distribution is a hand-set table keyed by the prefix."""
+
+    def __init__(self, table: dict[tuple[int, ...], dict[int, float]], prefixes=None, n=1):
+        self.table = table
+        self.prefixes = prefixes if prefixes is not None else [() for _ in range(n)]
+
+    def logits(self, prefix: tuple[int, ...]) -> torch.Tensor:
+        probs = torch.full((6,), 1e-6)
+        for tok, p in self.table.get(prefix, {EOS_ID: 1.0}).items():
+            probs[tok] = p
+        return probs.log()
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        new = []
+        for prefix, tok in zip(self.prefixes, tokens.tolist()):
+            new.append(prefix + (tok,) if tok != BOS_ID else prefix)
+        self.prefixes = new
+        return torch.stack([self.logits(p) for p in new])
+
+    def select(self, index: torch.Tensor) -> StubStep:
+        return StubStep(self.table, [self.prefixes[i] for i in index.tolist()])
+
+    def log_prob(self, tokens: list[int]) -> float:
+        total, prefix = 0.0, ()
+        for tok in tokens:
+            total += float(F.log_softmax(self.logits(prefix), -1)[tok])
+            prefix += (tok,)
+        return total
+
+
+# Greedy takes A (0.6) and then EOS (0.34): p = 0.204. The best sequence is B EOS: 0.4 * 0.9.
+TABLE = {
+    (): {A: 0.6, B_: 0.4},
+    (A,): {EOS_ID: 0.34, A: 0.33, B_: 0.33},
+    (B_,): {EOS_ID: 0.9, A: 0.05, B_: 0.05},
+}
+
+
+def test_length_penalty_is_wu_et_al():
+    assert length_penalty(1, 0.6) == pytest.approx(1.0)
+    assert length_penalty(7, 0.6) == pytest.approx(2.0**0.6)
+    assert length_penalty(10, 0.0) == 1.0
+
+
+def test_stub_greedy_and_beam_hand_computed():
+    lens = torch.tensor([5])
+    (g,) = greedy_search(StubStep(TABLE), lens)
+    assert g.tokens == [A, EOS_ID]
+    assert g.log_prob == pytest.approx(math.log(0.6 * 0.34), abs=1e-4)
+    (beam,) = beam_search(StubStep(TABLE), lens, beam_size=2, alpha=0.0, nbest=2)
+    assert [h.tokens for h in beam] == [[B_, EOS_ID], [A, EOS_ID]]
+    assert beam[0].log_prob == pytest.approx(math.log(0.4 * 0.9), abs=1e-4)
+    assert beam[0].score == beam[0].log_prob
+
+
+def test_stub_length_penalty_prefers_longer_output():
+    # B EOS: p = 0.4 * 0.5 = 0.2 beats A A EOS: p = 0.6 * 0.8 * 0.4 = 0.192 at alpha 0; at
+    # alpha 1, log(0.2) / lp(2) = -1.379 < log(0.192) / lp(3) = -1.238, and A A B EOS (0.144)
+    # gives -1.292.
+    table = {(): {A: 0.6, B_: 0.4}, (A,): {A: 0.8, EOS_ID: 0.2},
+             (B_,): {EOS_ID: 0.5, A: 0.25, B_: 0.25}, (A, A): {EOS_ID: 0.4, B_: 0.3, A: 0.3}}
+    lens = torch.tensor([4])
+    (short,) = beam_search(StubStep(table), lens, beam_size=2, alpha=0.0)
+    (long,) = beam_search(StubStep(table), lens, beam_size=2, alpha=1.0)
+    assert short[0].tokens == [B_, EOS_ID]
+    assert long[0].tokens == [A, A, EOS_ID]
+    stub = StubStep(table)
+    assert long[0].score == pytest.approx(stub.log_prob([A, A, EOS_ID]) / length_penalty(3, 1.0),
+                                          abs=1e-4)
+
+
+def test_stub_max_len_forces_eos_and_min_len_bans_it():
+    table = {(): {A: 0.9}, (A,): {A: 0.9}, (A, A): {A: 0.9}, (A, A, A): {A: 0.9}}
+    (g,) = greedy_search(StubStep(table), torch.tensor([2]))
+    assert g.tokens == [A, A, EOS_ID]
+    (b,) = beam_search(StubStep(table), torch.tensor([2]), beam_size=3)
+    assert all(len(h.tokens) <= 3 and h.tokens[-1] == EOS_ID for h in b)
+    (g,) = greedy_search(StubStep(TABLE), torch.tensor([5]), min_len=2)
+    assert len(g.tokens) >= 3 and EOS_ID not in g.tokens[:2]
+
+
+def test_stub_batch_of_sentences_finish_independently():
+    steps = StubStep(TABLE, n=3)
+    out = beam_search(steps, torch.tensor([5, 0, 1]), beam_size=2, alpha=0.0)
+    assert out[0][0].tokens == [B_, EOS_ID]
+    assert out[1][0].tokens == [EOS_ID]  # max length 0: only EOS
+    assert out[2][0].tokens == [B_, EOS_ID]
+
+
+# --- a real (tiny, random) Transformer ------------------------------------------------------
+
+
+def tiny_model(vocab_size: int, seed: int = 0, **changes) -> Transformer:
+    cfg = dataclasses.replace(load_config("tiny").model, vocab_size=vocab_size, **changes)
+    torch.manual_seed(seed)
+    return Transformer(cfg).eval()
+
+
+def encode_src(model, src_ids: list[list[int]]):
+    from aiayn.data.batching import pad_sources
+
+    memory, mask = model.encode(pad_sources(src_ids))
+    return memory, mask
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_large_beam_finds_exhaustive_best(alpha):
+    """V = 6 (3 generable non-EOS tokens), at most 3 tokens: 40 sequences, all in the beam."""
+    model = tiny_model(6, N=1, d_model=16, d_ff=32, h=2, d_k=8, d_v=8)
+    with torch.no_grad():
+        model.src_embed.weight.mul_(8.0)  # sharper distributions than a fresh init's
+        memory, mask = encode_src(model, [[4, 5, 4, EOS_ID]])
+        max_len = 3
+        scored = []
+        for n in range(max_len + 1):
+            for body in itertools.product([UNK_ID, A, B_], repeat=n):
+                seq = list(body) + [EOS_ID]
+                logits = model.decode(torch.tensor([[BOS_ID] + seq[:-1]]), memory, mask)
+                logp = F.log_softmax(logits.float(), -1)[0]
+                lp = float(logp.gather(1, torch.tensor(seq)[:, None]).sum())
+                scored.append((lp / length_penalty(len(seq), alpha), seq))
+        scored.sort(key=lambda x: -x[0])
+        (hyps,) = beam_search(CachedStep.start(model, memory, mask), torch.tensor([max_len]),
+                              beam_size=40, alpha=alpha, nbest=5)
+    assert hyps[0].tokens == scored[0][1]
+    assert [h.score for h in hyps] == pytest.approx([s for s, _ in scored[:5]], abs=1e-4)
+    assert scored[0][0] - scored[1][0] > 1e-3  # the optimum is not a float tie
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocabulary:
+    texts = ["a man is walking down the street with a dog",
+             "two children play football in the park",
+             "ein mann geht mit einem hund die straße entlang",
+             "zwei kinder spielen fußball im park"] * 10
+    return Vocabulary.learn(texts, 80)
+
+
+@pytest.fixture(scope="module")
+def model(vocab) -> Transformer:
+    return tiny_model(len(vocab), seed=1)
+
+
+SOURCES = [[5, 9, 12, 30, EOS_ID], [7, EOS_ID], [40, 41, 42, 43, 44, 45, 46, 47, 48, EOS_ID],
+           [11, 11, EOS_ID]]
+
+
+def test_beam_size_one_equals_greedy(model):
+    with torch.no_grad():
+        memory, mask = encode_src(model, SOURCES)
+        lens = torch.tensor([12, 12, 12, 12])
+        greedy = greedy_search(CachedStep.start(model, memory, mask), lens)
+        beam = beam_search(CachedStep.start(model, memory, mask), lens, beam_size=1, alpha=0.0)
+    assert [h.tokens for h in greedy] == [b[0].tokens for b in beam]
+    assert [h.log_prob for h in greedy] == pytest.approx([b[0].log_prob for b in beam], abs=1e-4)
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_cached_equals_uncached(model, beam_size):
+    with torch.no_grad():
+        memory, mask = encode_src(model, SOURCES)
+        lens = torch.tensor([15, 6, 15, 10])
+        out = []
+        for step_cls in (CachedStep, UncachedStep):
+            step = step_cls.start(model, memory, mask)
+            out.append(beam_search(step, lens, beam_size=beam_size, alpha=0.6, nbest=beam_size))
+    cached, uncached = out
+    assert [[h.tokens for h in s] for s in cached] == [[h.tokens for h in s] for s in uncached]
+    assert ([[h.score for h in s] for s in cached]
+            == [pytest.approx([h.score for h in s], abs=1e-4) for s in uncached])
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_mixed_length_batch_equals_one_at_a_time(model, vocab, beam_size):
+    lines = ["a man", "two children play football in the park with a dog down the street",
+             "zwei kinder", "ein mann geht", "a", "the park"]
+    batched = translate_nbest(model, vocab, lines, beam_size=beam_size, batch_size=6,
+                              max_len_b=8, nbest=beam_size)
+    single = [translate_nbest(model, vocab, [x], beam_size=beam_size, max_len_b=8,
+                              nbest=beam_size)[0] for x in lines]
+    assert [[t.tokens for t in r] for r in batched] == [[t.tokens for t in r] for r in single]
+    for r, s in zip(batched, single):
+        assert [t.score for t in r] == pytest.approx([t.score for t in s], abs=1e-4)
+        assert [t.score for t in r] == sorted((t.score for t in r), reverse=True)
+
+
+def test_translate_lines_order_empty_lines_and_max_length(model, vocab):
+    lines = ["a man is walking", "", "zwei kinder spielen fußball im park", "   ", "a"]
+    out = translate_lines(model, vocab, lines, beam_size=4, max_len_a=0.0, max_len_b=3)
+    assert len(out) == 5 and out[1] == "" and out[3] == ""
+    for line, text in zip(lines, translate_nbest(model, vocab, lines, max_len_a=1.0, max_len_b=2)):
+        n_src = len(vocab.encode(line))
+        assert len(text[0].tokens) <= n_src + 2 + 1  # input length + b tokens, then EOS
+    assert translate_lines(model, vocab, lines, beam_size=1, max_len_b=3)[1] == ""
+
+
+def test_long_input_truncated_with_warning_or_rejected(model, vocab):
+    long = " ".join(["street"] * (model.config.max_len + 10))
+    with pytest.warns(UserWarning, match="line 2"):
+        out = translate_lines(model, vocab, ["a", long], beam_size=1, max_len_a=0.0,
+                              max_len_b=2)
+    assert len(out) == 2
+    with pytest.raises(InputTooLongError, match="line 2"):
+        translate_nbest(model, vocab, ["a", long], beam_size=1, long_inputs="error")
+
+
+def test_sampling(model):
+    with torch.no_grad():
+        memory, mask = encode_src(model, SOURCES)
+        lens = torch.tensor([10, 10, 10, 10])
+        greedy = greedy_search(CachedStep.start(model, memory, mask), lens)
+
+        def sample(**kw):
+            step = CachedStep.start(model, memory, mask)
+            return [h.tokens for h in greedy_search(step, lens, sampling=SamplingConfig(**kw))]
+
+        assert sample(top_k=1) == [h.tokens for h in greedy]
+        assert sample(top_p=1e-6) == [h.tokens for h in greedy]
+        assert sample(temperature=1e-4) == [h.tokens for h in greedy]
+        assert sample(seed=3, temperature=2.0) == sample(seed=3, temperature=2.0)
+        assert sample(seed=3, temperature=5.0) != [h.tokens for h in greedy]
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0.0)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="nbest"):
+        beam_search(StubStep(TABLE), torch.tensor([3]), beam_size=2, nbest=3)
+    with pytest.raises(ValueError, match="beam_size"):
+        beam_search(StubStep(TABLE), torch.tensor([3]), beam_size=0)
