@@ -64,10 +64,11 @@ WMT14_LANGS = ("en", "de")
 
 
 # --- files ------------------------------------------------------------------------------------
-def read_lines(path: str | Path) -> list[str]:
+def read_lines(path: str | Path, strip: bool = True) -> list[str]:
     """All lines of a UTF-8 text file (plain, or gzip when the name ends in ``.gz``), each
-    stripped of surrounding whitespace. Lines are split on ``\\n`` only, so a stray U+2028 or
-    form feed inside a sentence cannot shift the alignment.
+    stripped of surrounding whitespace (``strip=False``: of the line end ``\\n`` or ``\\r\\n``
+    only). Lines are split on ``\\n`` only, so a stray U+2028 or form feed inside a sentence
+    cannot shift the alignment.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -83,7 +84,8 @@ def read_lines(path: str | Path) -> list[str]:
         with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
             for number, line in enumerate(f, start=1):
                 try:
-                    out.append(line.decode("utf-8").strip())
+                    text = line.decode("utf-8")
+                    out.append(text.strip() if strip else text.rstrip("\r\n"))
                 except UnicodeDecodeError as err:
                     raise DataError(f"{path}, line {number}: invalid UTF-8 ({err.reason} at "
                                     f"byte {err.start} of the line)") from None
@@ -156,8 +158,8 @@ def load_tsv(path: str | Path, drop_empty: bool = True, name: str | None = None,
     """
     src: list[str] = []
     tgt: list[str] = []
-    for number, line in enumerate(read_lines(path), start=1):
-        if not line:
+    for number, line in enumerate(read_lines(path, strip=False), start=1):
+        if not line.strip():
             src.append("")
             tgt.append("")
             continue
