@@ -196,22 +196,23 @@ class Batch:
 
 
 def collate(corpus: EncodedCorpus, indices: list[int]) -> Batch:
-    """Pad the pairs ``indices`` of ``corpus`` into a :class:`Batch`."""
+    """Pad the pairs ``indices`` of ``corpus`` into a :class:`Batch` (int64 tensors on CPU)."""
     srcs = [corpus.src[i] for i in indices]
     tgts = [corpus.tgt[i] for i in indices]
     B = len(indices)
     S = max(len(s) for s in srcs)
     T = max(len(t) for t in tgts) + 1
-    src = torch.full((B, S), PAD_ID, dtype=torch.long)
-    tgt_in = torch.full((B, T), PAD_ID, dtype=torch.long)
-    tgt_out = torch.full((B, T), PAD_ID, dtype=torch.long)
+    src = np.full((B, S), PAD_ID, dtype=np.int64)
+    tgt_in = np.full((B, T), PAD_ID, dtype=np.int64)
+    tgt_out = np.full((B, T), PAD_ID, dtype=np.int64)
+    tgt_in[:, 0] = BOS_ID
     for r, (s, t) in enumerate(zip(srcs, tgts)):
-        src[r, : len(s)] = torch.tensor(s)
-        tgt_in[r, 0] = BOS_ID
-        tgt_in[r, 1 : len(t) + 1] = torch.tensor(t, dtype=torch.long)
-        tgt_out[r, : len(t)] = torch.tensor(t, dtype=torch.long)
+        src[r, : len(s)] = s
+        tgt_in[r, 1 : len(t) + 1] = t
+        tgt_out[r, : len(t)] = t
         tgt_out[r, len(t)] = EOS_ID
-    return Batch(src, tgt_in, tgt_out, [corpus.index[i] for i in indices])
+    return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
+                 [corpus.index[i] for i in indices])
 
 
 def pad_sources(seqs: list[list[int]]) -> Tensor:
