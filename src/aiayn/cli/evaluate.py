@@ -1,0 +1,100 @@
+"""``aiayn evaluate``: BLEU and chrF of a checkpoint's translations (or of an existing output
+file), each score labelled with its protocol (see :mod:`aiayn.evaluation.bleu`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from aiayn.cli.translate import add_decode_arguments
+
+HELP = ("Score translations: sacreBLEU BLEU and chrF (with signatures), the paper's tokenized "
+        "BLEU, and optionally the Multi30k literature's protocol.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_decode_arguments(p, checkpoint_required=False)
+    p.add_argument("--src", metavar="FILE", help="source sentences to translate (needs "
+                   "--checkpoint)")
+    p.add_argument("--hyp", metavar="FILE", help="score this existing output instead of "
+                   "translating")
+    p.add_argument("--ref", metavar="FILE", help="detokenized references, line-aligned (.gz ok)")
+    p.add_argument("--ref-tok", metavar="FILE",
+                   help="references tokenized in the Multi30k protocol (e.g. multi30k/tok/"
+                        "test_2016_flickr.lc.norm.tok.de.gz): adds the Multi30k-protocol BLEU")
+    p.add_argument("--lang", default=None,
+                   help="target language for Moses tokenization (default: the checkpoint's "
+                        "data.tgt_lang, else 'de')")
+    p.add_argument("--output", metavar="FILE", help="also write the translations here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiayn.errors import UserError
+    from aiayn.evaluation.bleu import (
+        PROTOCOLS,
+        multi30k_tok_bleu,
+        paper_tok_bleu,
+        read_lines,
+        sacrebleu_scores,
+    )
+
+    if (args.hyp is None) == (args.src is None):
+        raise UserError("give either --src FILE with --checkpoint (translate, then score) or "
+                        "--hyp FILE (score an existing output)")
+    if args.src is not None and args.checkpoint is None:
+        raise UserError("--src needs --checkpoint PATH to translate with")
+    if args.ref is None and args.ref_tok is None:
+        raise UserError("give --ref FILE (detokenized references) and/or --ref-tok FILE")
+    lang = args.lang
+    result: dict = {}
+    if args.hyp is not None:
+        hyps = read_lines(args.hyp)
+        result["hyp"] = args.hyp
+    else:
+        from aiayn.cli.translate import decode_options, load_model, warner
+        from aiayn.decoding import translate_nbest
+
+        lines = read_lines(args.src)
+        model, config, vocab = load_model(args)
+        options = decode_options(args, config)
+        translations = translate_nbest(model, vocab, lines, warn=warner("evaluate"),
+                                       progress=not args.quiet and sys.stderr.isatty(),
+                                       **options)
+        hyps = [t[0].text for t in translations]
+        lang = lang or config.data.tgt_lang
+        result.update(checkpoint=args.checkpoint, src=args.src,
+                      decode={k: v for k, v in options.items() if k != "sampling"},
+                      sampling=options["sampling"] is not None)
+        if args.output:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.writelines(h.replace("\n", " ") + "\n" for h in hyps)
+    lang = lang or "de"
+    result.update(lang=lang, sentences=len(hyps))
+    scores = {}
+    if args.ref is not None:
+        refs = read_lines(args.ref)
+        s = sacrebleu_scores(hyps, refs)
+        scores["sacrebleu"] = {"protocol": PROTOCOLS["sacrebleu"], **s}
+        scores["paper"] = {"protocol": PROTOCOLS["paper"],
+                           "bleu": paper_tok_bleu(hyps, refs, lang)}
+    if args.ref_tok is not None:
+        scores["multi30k"] = {"protocol": PROTOCOLS["multi30k"],
+                              "bleu": multi30k_tok_bleu(hyps, args.ref_tok, lang)}
+    result["scores"] = scores
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+        return 0
+    print(f"{len(hyps)} sentences, target language {lang}")
+    if "sacrebleu" in scores:
+        s = scores["sacrebleu"]
+        print(f"BLEU  {s['bleu']:6.2f}  sacreBLEU, detokenized   {s['bleu_signature']}")
+        print(f"chrF  {s['chrf']:6.2f}  sacreBLEU, detokenized   {s['chrf_signature']}")
+        print(f"BLEU  {scores['paper']['bleu']:6.2f}  paper-style tokenized   "
+              f"(Moses{', ##AT## compounds' if lang == 'de' else ''}; compare with Table 2)")
+    if "multi30k" in scores:
+        print(f"BLEU  {scores['multi30k']['bleu']:6.2f}  Multi30k protocol        "
+              "(lowercased, Moses-normalized+tokenized, tok:none)")
+    return 0

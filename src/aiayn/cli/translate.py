@@ -1,0 +1,130 @@
+"""``aiayn translate``: translate a file or standard input line by line with a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = ("Translate text line by line with a checkpoint (beam search as §6.1 by default); one "
+        "output line per input line.")
+
+
+def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool = True) -> None:
+    """Options shared by ``translate`` and ``evaluate`` (defaults: the checkpoint's config)."""
+    p.add_argument("--checkpoint", required=checkpoint_required, metavar="PATH",
+                   help="checkpoint directory (or a run directory: its averaged, best or "
+                        "newest checkpoint)")
+    p.add_argument("--beam", type=int, default=None, metavar="K",
+                   help="beam size; 1 = greedy (default: the checkpoint's decode.beam_size, "
+                        "4 as in §6.1)")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="length penalty ((5+|Y|)/6)^alpha (default: decode.alpha, 0.6)")
+    p.add_argument("--max-len-a", type=float, default=None, metavar="A",
+                   help="max output tokens = A * input tokens + B (default: decode, 1.0)")
+    p.add_argument("--max-len-b", type=int, default=None, metavar="B",
+                   help="see --max-len-a (default: decode.max_len_b, 50)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sentences decoded together (default: decode.batch_size)")
+    p.add_argument("--sample", action="store_true",
+                   help="sample instead of searching (with --temperature, --top-k, --top-p)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus filter")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--reject-long", action="store_true",
+                   help="fail on an input line longer than the model's max_len instead of "
+                        "truncating it with a warning")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--bf16", action="store_true", help="decode under bf16 autocast")
+
+
+def decode_options(args: argparse.Namespace, config, nbest: int = 1) -> dict:
+    """Keyword arguments for :func:`aiayn.decoding.translate_nbest` from the CLI options, with
+    the checkpoint's ``config.decode`` filling what was not given."""
+    from aiayn.decoding import SamplingConfig
+
+    d = config.decode
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    sampling = None
+    if args.sample:
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    return dict(beam_size=pick(args.beam, d.beam_size), alpha=pick(args.alpha, d.alpha),
+                max_len_a=pick(args.max_len_a, d.max_len_a),
+                max_len_b=pick(args.max_len_b, d.max_len_b),
+                batch_size=pick(args.batch_size, d.batch_size), nbest=nbest, sampling=sampling,
+                bf16=args.bf16, long_inputs="error" if args.reject_long else "truncate")
+
+
+def load_model(args: argparse.Namespace):
+    """(model, config, vocab) of ``--checkpoint`` on ``--device``."""
+    import torch
+
+    from aiayn.checkpoint import load_checkpoint
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return load_checkpoint(args.checkpoint, device=device)
+
+
+def read_input(path: str | None) -> list[str]:
+    """Lines of ``path`` (``-`` or None: standard input), checked to be UTF-8."""
+    from aiayn.evaluation.bleu import decode_lines, read_lines
+
+    if path in (None, "-"):
+        return decode_lines(sys.stdin.buffer.read(), "<stdin>")
+    return read_lines(path)
+
+
+def warner(command: str):
+    return lambda msg: print(f"aiayn {command}: warning: {msg}", file=sys.stderr)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-i", "--input", default=None, metavar="FILE",
+                   help="UTF-8 text, one sentence per line (.gz ok); default: standard input")
+    p.add_argument("-o", "--output", default=None, metavar="FILE",
+                   help="where to write (a progress bar shows); default: standard output")
+    add_decode_arguments(p)
+    p.add_argument("--nbest", type=int, default=1, metavar="K",
+                   help="K translations per line (needs beam search); as text, K lines "
+                        "'LINE ||| translation ||| score' per input line (LINE counts from 0)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per input line: line number, translations with "
+                        "text, score and log_prob")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _one_line(text: str) -> str:
+    # a stray newline in a translation would break line alignment
+    return text.replace("\r", " ").replace("\n", " ")
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiayn.decoding import translate_nbest
+
+    if args.nbest < 1:
+        raise ValueError(f"--nbest must be >= 1, got {args.nbest}")
+    lines = read_input(args.input)
+    model, config, vocab = load_model(args)
+    options = decode_options(args, config, nbest=args.nbest)
+    results = translate_nbest(model, vocab, lines, warn=warner("translate"),
+                              progress=args.output is not None and not args.quiet, **options)
+    out = []
+    for n, translations in enumerate(results):
+        if args.json:
+            out.append(json.dumps({"line": n + 1, "translations": [
+                {"text": t.text, "score": t.score, "log_prob": t.log_prob}
+                for t in translations]}, ensure_ascii=False))
+        elif args.nbest > 1:
+            out.extend(f"{n} ||| {_one_line(t.text)} ||| {t.score:.4f}" for t in translations)
+        else:
+            out.append(_one_line(translations[0].text))
+    data = "".join(line + "\n" for line in out).encode("utf-8")
+    if args.output is None or args.output == "-":
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        with open(args.output, "wb") as f:
+            f.write(data)
+    return 0
