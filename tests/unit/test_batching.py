@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from aiayn.data.batching import EncodedCorpus, collate, encode_corpus, make_batches, pad_sources
+from aiayn.data.batching import collate, encode_corpus, make_batches, pad_sources
 from aiayn.data.corpus import ParallelCorpus, load_dataset
 from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocabulary
 

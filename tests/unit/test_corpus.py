@@ -73,7 +73,7 @@ def test_empty_lines_dropped_with_count_or_kept_aligned(tmp_path):
 
 
 def test_tsv(tmp_path):
-    p = write(tmp_path / "pairs.tsv.gz", "a man\tein Mann \n\n dogs\tHunde\nsolo\t\n".encode())
+    p = write(tmp_path / "pairs.tsv.gz", b"a man\tein Mann \n\n dogs\tHunde\nsolo\t\n")
     c = load_tsv(p)
     assert (c.src, c.tgt, c.dropped_empty) == (["a man", "dogs"], ["ein Mann", "Hunde"], 2)
     r = load_files(p, None, drop_empty=False)

@@ -67,7 +67,7 @@ def encode_corpus(vocab: Vocabulary, corpus: ParallelCorpus, max_len: int) -> En
     src_ids = vocab.encode_batch(corpus.src)
     tgt_ids = vocab.encode_batch(corpus.tgt)
     out = EncodedCorpus([], [], [], name=corpus.name)
-    for i, (s, t) in enumerate(zip(src_ids, tgt_ids)):
+    for i, (s, t) in enumerate(zip(src_ids, tgt_ids, strict=True)):
         if len(s) + 1 > max_len or len(t) + 1 > max_len:
             out.filtered += 1
             continue
@@ -206,7 +206,7 @@ def collate(corpus: EncodedCorpus, indices: list[int]) -> Batch:
     tgt_in = np.full((B, T), PAD_ID, dtype=np.int64)
     tgt_out = np.full((B, T), PAD_ID, dtype=np.int64)
     tgt_in[:, 0] = BOS_ID
-    for r, (s, t) in enumerate(zip(srcs, tgts)):
+    for r, (s, t) in enumerate(zip(srcs, tgts, strict=True)):
         src[r, : len(s)] = s
         tgt_in[r, 1 : len(t) + 1] = t
         tgt_out[r, : len(t)] = t

@@ -164,7 +164,7 @@ class Vocabulary:
         """Check ``decode(encode(t)) == t`` for every text (stripped first, as corpora are)."""
         texts = [t.strip() for t in texts]
         decoded = self.decode_batch(self.encode_batch(texts))
-        failures = [(t, d) for t, d in zip(texts, decoded) if t != d]
+        failures = [(t, d) for t, d in zip(texts, decoded, strict=True) if t != d]
         return RoundTrip(len(texts), len(texts) - len(failures), failures[:examples])
 
     def check_matches(self, vocab_size: int, fingerprint: str | None = None,
