@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from tokenizers import Tokenizer, models
 
 from aiayn.cli import main
 from aiayn.data.corpus import load_dataset
@@ -100,6 +101,12 @@ def test_load_errors_say_where(tmp_path):
     bad.write_text("{not json", encoding="utf-8")
     with pytest.raises(DataError, match=f"{bad}: not a valid vocabulary"):
         Vocabulary.load(bad)
+    # a valid tokenizers file whose special ids are not ours
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(Tokenizer(models.WordLevel({"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3},
+                                                  unk_token="<unk>")).to_str(), encoding="utf-8")
+    with pytest.raises(DataError, match=f"{foreign}: vocabulary does not define '<pad>' as id 0"):
+        Vocabulary.load(foreign)
 
 
 def test_vocabulary_mismatch_is_a_clear_error(vocab):

@@ -44,7 +44,8 @@ class Vocabulary:
     def __init__(self, tokenizer: Tokenizer, kind: str = "bpe") -> None:
         for i, tok in enumerate(SPECIAL_TOKENS):
             if tokenizer.token_to_id(tok) != i:
-                raise DataError(f"vocabulary does not define {tok!r} as id {i}")
+                raise DataError(f"vocabulary does not define {tok!r} as id {i} (found id "
+                                f"{tokenizer.token_to_id(tok)}): not made by `aiayn vocab`")
         # A literal "</s>" in a sentence must not become EOS (nor "<pad>" padding); not saved
         # in tokenizer.json, so set on every construction.
         tokenizer.encode_special_tokens = True
@@ -115,7 +116,10 @@ class Vocabulary:
             tokenizer = Tokenizer.from_str(json.dumps(data))
         except Exception as err:  # tokenizers raises its own Exception type
             raise DataError(f"{source}: not a valid vocabulary file ({err})") from None
-        return cls(tokenizer, kind)
+        try:
+            return cls(tokenizer, kind)
+        except DataError as err:
+            raise DataError(f"{source}: {err}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> Vocabulary:
