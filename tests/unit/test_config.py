@@ -1,0 +1,222 @@
+"""Typed, validated configuration: presets mirror Table 3; bad values fail at construction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aiayn.config import (
+    Config,
+    DataConfig,
+    DecodeConfig,
+    ModelConfig,
+    TrainConfig,
+    load_config,
+    preset_names,
+)
+
+# Table 3 rows: the model/train fields each row changes from base (blank cells = base, §6.2)
+TABLE3_ROWS = {
+    "table3-A1": {"h": 1, "d_k": 512, "d_v": 512},
+    "table3-A2": {"h": 4, "d_k": 128, "d_v": 128},
+    "table3-A3": {"h": 16, "d_k": 32, "d_v": 32},
+    "table3-A4": {"h": 32, "d_k": 16, "d_v": 16},
+    "table3-B1": {"d_k": 16},
+    "table3-B2": {"d_k": 32},
+    "table3-C1": {"N": 2},
+    "table3-C2": {"N": 4},
+    "table3-C3": {"N": 8},
+    "table3-C4": {"d_model": 256, "d_k": 32, "d_v": 32},
+    "table3-C5": {"d_model": 1024, "d_k": 128, "d_v": 128},
+    "table3-C6": {"d_ff": 1024},
+    "table3-C7": {"d_ff": 4096},
+    "table3-D1": {"P_drop": 0.0},
+    "table3-D2": {"P_drop": 0.2},
+    "table3-D3": {"epsilon_ls": 0.0},
+    "table3-D4": {"epsilon_ls": 0.2},
+    "table3-E": {"positional": "learned"},
+    "big": {"d_model": 1024, "d_ff": 4096, "h": 16, "P_drop": 0.3, "max_steps": 300_000,
+            "keep_last": 20}  # §6.1: big averages the last 20 checkpoints,
+}
+
+
+def fields_of(cfg: Config) -> dict:
+    return {**cfg.to_dict()["model"], **cfg.to_dict()["train"]}
+
+
+def test_every_table3_preset_is_shipped():
+    names = set(preset_names())
+    assert {"base", "tiny", "multi30k", *TABLE3_ROWS} <= names
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads(name):
+    cfg = load_config(name)
+    assert cfg.name == name
+    assert isinstance(cfg.model, ModelConfig) and isinstance(cfg.train, TrainConfig)
+
+
+def test_base_preset_is_the_paper_base_model():
+    cfg = load_config("base")
+    m, t, d = cfg.model, cfg.train, cfg.decode
+    assert (m.N, m.d_model, m.d_ff, m.h, m.d_k, m.d_v) == (6, 512, 2048, 8, 64, 64)  # §3, Table 3
+    assert (m.P_drop, t.epsilon_ls, t.warmup_steps) == (0.1, 0.1, 4000)  # §5.3-5.4
+    assert (t.adam_beta1, t.adam_beta2, t.adam_eps) == (0.9, 0.98, 1e-9)  # §5.3
+    assert (m.vocab_size, m.share_embeddings, m.positional, m.norm) == \
+        (37000, True, "sinusoidal", "post")  # §3.4, §3.5, §3.1
+    assert (d.beam_size, d.alpha, d.max_len_a, d.max_len_b) == (4, 0.6, 1.0, 50)  # §6.1
+    assert cfg.data.max_tokens == 25000 and t.max_steps == 100_000 and t.keep_last == 5
+
+
+@pytest.mark.parametrize("name", sorted(TABLE3_ROWS))
+def test_table3_row_changes_only_its_cells(name):
+    """``extends = "base.toml"`` inherits everything the row leaves blank."""
+    base, row = fields_of(load_config("base")), fields_of(load_config(name))
+    changed = {k: v for k, v in row.items() if base[k] != v}
+    assert changed == TABLE3_ROWS[name]
+    assert load_config(name).data == load_config("base").data
+
+
+def test_rows_A_keep_computation_constant():
+    for name in ("table3-A1", "table3-A2", "table3-A3", "table3-A4"):
+        m = load_config(name).model
+        assert m.h * m.d_k == m.h * m.d_v == m.d_model
+
+
+# --- impossible configurations --------------------------------------------------------------
+
+@pytest.mark.parametrize("cls, field, value", [
+    (ModelConfig, "N", 0),
+    (ModelConfig, "d_model", -512),
+    (ModelConfig, "d_ff", 0),
+    (ModelConfig, "h", -1),
+    (ModelConfig, "d_k", 0),
+    (ModelConfig, "vocab_size", 0),
+    (ModelConfig, "max_len", 0),
+    (ModelConfig, "P_drop", 1.0),
+    (ModelConfig, "P_drop", -0.1),
+    (ModelConfig, "attention_dropout", 1.5),
+    (ModelConfig, "positional", "rotary"),
+    (ModelConfig, "norm", "sandwich"),
+    (ModelConfig, "pad_id", 37000),
+    (ModelConfig, "N", 2.5),  # wrong types
+    (ModelConfig, "N", "6"),
+    (ModelConfig, "d_model", True),
+    (ModelConfig, "share_embeddings", "no"),
+    (ModelConfig, "P_drop", "0.1"),
+    (DataConfig, "max_tokens", 0),
+    (DataConfig, "vocab_kind", "unigram"),
+    (DataConfig, "dataset", 3),
+    (TrainConfig, "warmup_steps", 0),
+    (TrainConfig, "epsilon_ls", 1.0),
+    (TrainConfig, "adam_beta2", 1.2),
+    (TrainConfig, "clip_norm", -1.0),
+    (TrainConfig, "bf16", 1),
+    (DecodeConfig, "beam_size", 0),
+    (DecodeConfig, "alpha", -0.6),
+])
+def test_impossible_value_raises_naming_field_and_value(cls, field, value):
+    with pytest.raises(ValueError) as err:
+        cls(**{field: value})
+    assert field in str(err.value) and repr(value) in str(err.value)
+
+
+def test_tying_needs_one_shared_vocabulary():
+    with pytest.raises(ValueError, match="tgt_vocab_size=900"):
+        ModelConfig(vocab_size=1000, tgt_vocab_size=900, share_embeddings=True)
+    m = ModelConfig(vocab_size=1000, tgt_vocab_size=900, share_embeddings=False)
+    assert m.target_vocab_size == 900
+    assert ModelConfig(vocab_size=1000).target_vocab_size == 1000
+
+
+def test_int_for_a_float_field_is_stored_as_float():
+    m = ModelConfig(P_drop=0)
+    assert m.P_drop == 0.0 and isinstance(m.P_drop, float)
+
+
+def test_config_sections_must_have_their_types():
+    with pytest.raises(ValueError, match="Config.model"):
+        Config(model=TrainConfig())
+
+
+def test_unknown_preset_names_it_and_lists_the_known_ones():
+    with pytest.raises(ValueError) as err:
+        load_config("table3-Z9")
+    assert "table3-Z9" in str(err.value) and "table3-C1" in str(err.value)
+
+
+def test_missing_config_file():
+    with pytest.raises(FileNotFoundError):
+        load_config("/nonexistent/run.toml")
+
+
+@pytest.mark.parametrize("text, names", [
+    ("[model]\nN = 2\nlayers = 3\n", ["layers"]),
+    ("[modle]\nN = 2\n", ["modle"]),
+    ("[model]\nN = \"six\"\n", ["N", "'six'"]),
+    ("[model]\nN = 2.5\n", ["N", "2.5"]),
+    ("[model]\nd_model = true\n", ["d_model", "True"]),
+    ("[train]\nepsilon_ls = 1.5\n", ["epsilon_ls", "1.5"]),
+    ("[model]\nN = \n", ["TOML"]),
+])
+def test_bad_config_file_names_the_offender(tmp_path, text, names):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_config(str(path))
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_extends_merges_sections_field_by_field(tmp_path):
+    (tmp_path / "parent.toml").write_text(
+        "[model]\nN = 3\nd_model = 128\nd_k = 16\nd_v = 16\n[train]\nwarmup_steps = 10\n")
+    (tmp_path / "child.toml").write_text('extends = "parent.toml"\n[model]\nN = 1\n')
+    cfg = load_config(str(tmp_path / "child.toml"))
+    assert cfg.name == "child"
+    assert (cfg.model.N, cfg.model.d_model, cfg.model.d_k) == (1, 128, 16)
+    assert cfg.train.warmup_steps == 10
+    (tmp_path / "grandchild.toml").write_text('extends = "child.toml"\n')
+    with pytest.raises(ValueError, match="one level"):
+        load_config(str(tmp_path / "grandchild.toml"))
+
+
+def test_saved_json_round_trips(tmp_path):
+    cfg = load_config("table3-E", ["model.tgt_vocab_size=none", "train.bf16=true"])
+    assert Config.from_dict(json.loads(cfg.to_json())) == cfg
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json())
+    assert load_config(str(path)) == cfg
+
+
+# --- --set overrides ------------------------------------------------------------------------
+
+def test_overrides_are_parsed_by_field_type():
+    cfg = load_config("base", ["model.N=4", "model.P_drop=0.3", "model.share_embeddings=false",
+                               "model.positional=learned", "decode.beam_size=8"])
+    assert cfg.model.N == 4 and isinstance(cfg.model.N, int)
+    assert cfg.model.P_drop == 0.3
+    assert cfg.model.share_embeddings is False
+    assert cfg.model.positional == "learned" and cfg.decode.beam_size == 8
+    assert load_config("base").model.N == 6  # presets are not mutated
+    assert Config().with_overrides(["train.lr_scale=2"]).train.lr_scale == 2.0
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.N=four", ["model.N", "'four'"]),
+    ("model.N=2.5", ["model.N", "'2.5'"]),
+    ("model.share_embeddings=maybe", ["model.share_embeddings", "'maybe'"]),
+    ("model.P_drop=high", ["model.P_drop", "'high'"]),
+    ("model.N=0", ["N", "0"]),
+    ("model.P_drop=1.0", ["P_drop", "1.0"]),
+    ("model.layers=3", ["model.layers"]),
+    ("optim.lr=3", ["optim"]),
+    ("model.N", ["model.N"]),
+    ("N=3", ["N=3"]),
+])
+def test_bad_override_is_rejected(override, words):
+    with pytest.raises(ValueError) as err:
+        load_config("tiny", [override])
+    for word in words:
+        assert word in str(err.value)
