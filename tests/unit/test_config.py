@@ -37,7 +37,7 @@ TABLE3_ROWS = {
     "table3-D4": {"epsilon_ls": 0.2},
     "table3-E": {"positional": "learned"},
     "big": {"d_model": 1024, "d_ff": 4096, "h": 16, "P_drop": 0.3, "max_steps": 300_000,
-            "keep_last": 20}  # §6.1: big averages the last 20 checkpoints,
+            "keep_last": 20},  # §6.1: big averages the last 20 checkpoints
 }
 
 
