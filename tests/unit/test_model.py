@@ -103,6 +103,19 @@ def test_decoder_output_at_i_ignores_targets_after_i():
             assert not torch.allclose(logits2[:, i + 1:], logits[:, i + 1:])  # the change shows
 
 
+def test_source_mask_must_be_bool_of_shape_b_s():
+    # a 0/1 float mask would reach SDPA as an additive bias and mask nothing
+    model = make_model()
+    src, mask = padded_source()
+    with pytest.raises(TypeError, match="bool"):
+        model.encode(src, mask.float())
+    with pytest.raises(ValueError, match="shape"):
+        model.encode(src, mask[:, None, None, :])
+    memory, _ = model.encode(src, mask)
+    with pytest.raises(TypeError, match="bool"):
+        model.decode(tokens(3, 2), memory, mask.long())
+
+
 # --- attention, eq. 1 and §3.2.2 ---------------------------------------------------------------
 
 def test_reference_attention_on_a_hand_computed_case():

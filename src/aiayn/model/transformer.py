@@ -208,6 +208,15 @@ class DecoderLayer(nn.Module):
         return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
 
 
+def _check_src_mask(src_mask: Tensor, batch_and_len: tuple[int, int]) -> None:
+    # SDPA would take a 0/1 float or int mask as an additive bias and mask nothing
+    if src_mask.dtype != torch.bool:
+        raise TypeError(f"src_mask must be bool (True = real token), got {src_mask.dtype}")
+    if tuple(src_mask.shape) != tuple(batch_and_len):
+        raise ValueError(f"src_mask has shape {tuple(src_mask.shape)}, expected (B, S) = "
+                         f"{tuple(batch_and_len)}")
+
+
 class Transformer(nn.Module):
     """Encoder-decoder Transformer, §3, configured by :class:`~aiayn.config.ModelConfig`.
 
@@ -265,6 +274,7 @@ class Transformer(nn.Module):
         """
         if src_mask is None:
             src_mask = src != self.config.pad_id
+        _check_src_mask(src_mask, src.shape)
         attn_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
         x = self._embed(self.src_embed, src)
         for layer in self.encoder:
@@ -283,6 +293,7 @@ class Transformer(nn.Module):
         Returns:
             logits (B, T, V_tgt).
         """
+        _check_src_mask(src_mask, memory.shape[:2])
         cross_mask = src_mask[:, None, None, :]
         x = self._embed(self.tgt_embed, tgt_in)
         for layer in self.decoder:
