@@ -223,7 +223,15 @@ def test_translate_lines_order_empty_lines_and_max_length(model, vocab):
     for line, text in zip(lines, translate_nbest(model, vocab, lines, max_len_a=1.0, max_len_b=2)):
         n_src = len(vocab.encode(line))
         assert len(text[0].tokens) <= n_src + 2 + 1  # input length + b tokens, then EOS
-    assert translate_lines(model, vocab, lines, beam_size=1, max_len_b=3)[1] == ""
+    model.train()  # as the training loop's validation calls it: decoding must not leave eval
+    try:
+        assert translate_lines(model, vocab, lines, beam_size=1, max_len_b=3) == \
+            translate_lines(model.eval(), vocab, lines, beam_size=1, max_len_b=3)
+        model.train()
+        translate_lines(model, vocab, lines, beam_size=4, max_len_b=3)
+        assert model.training
+    finally:
+        model.eval()
 
 
 def test_long_input_truncated_with_warning_or_rejected(model, vocab):

@@ -101,7 +101,8 @@ def translate_nbest(
     """Translate ``lines``; for each, up to ``nbest`` translations, best first.
 
     Args:
-        model: a :class:`~aiayn.model.Transformer` (put in eval mode here).
+        model: a :class:`~aiayn.model.Transformer` (unwrapped, not DDP); decoded in eval mode,
+            and left in the training/eval mode it came in.
         beam_size: K; 1 = greedy search (§6.1 used 4). Ignored when ``sampling`` is given.
         alpha: length penalty, lp(Y) = ((5 + |Y|) / 6) ** alpha (§6.1 used 0.6).
         max_len_a, max_len_b: at most ``a * source_tokens + b`` output tokens (§6.1: a=1, b=50).
@@ -122,7 +123,18 @@ def translate_nbest(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if nbest > 1 and (beam_size == 1 or sampling is not None):
         raise ValueError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
-    model.eval()
+    was_training = model.training
+    model.eval()  # no dropout while decoding; the caller's mode is restored below
+    try:
+        return _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b,
+                          batch_size, nbest, sampling, bf16, use_cache, min_len, long_inputs,
+                          warn, progress)
+    finally:
+        model.train(was_training)
+
+
+def _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batch_size, nbest,
+               sampling, bf16, use_cache, min_len, long_inputs, warn, progress):
     device = next(model.parameters()).device
     max_len = model.config.max_len
     sources = encode_sources(vocab, lines, max_len, long_inputs=long_inputs, warn=warn)
