@@ -1,7 +1,7 @@
 """Time greedy and beam-4 decoding (§6.1) with and without the incremental key/value cache.
 
 Run:  AIAYN_DATA_DIR=../shared/data python bench/bench_decode.py [--sentences 200] [--length 20]
-      [--batch-size 64] [--no-uncached] [--json]
+      [--batch-size 64] [--threads 1] [--no-uncached] [--json]
 
 A random-weight model of the ``multi30k`` preset (weights do not change the work done) decodes
 the first ``--sentences`` lines of the Multi30k test source. Every output is forced to exactly
@@ -35,11 +35,16 @@ def main() -> int:
     p.add_argument("--no-uncached", action="store_true", help="skip the uncached baseline")
     p.add_argument("--no-bf16", action="store_true", help="skip bf16 autocast")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0: torch's default); on a CPU shared with other "
+                        "jobs, 1 thread avoids OpenMP threads waiting on each other")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
 
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from aiayn.config import load_config
     from aiayn.data.vocab import Vocabulary
     from aiayn.decoding import translate_nbest
