@@ -1,0 +1,286 @@
+"""Training (§5): schedule, loss, a task learned end to end, exact resume, averaging, signals,
+non-finite steps, crash-safe checkpoints, and two processes agreeing with one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from aiayn.checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint
+from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
+from aiayn.decoding import translate_lines
+from aiayn.training.loss import label_smoothed_loss
+from aiayn.training.loop import StopTraining
+from aiayn.training.run import run_training
+from aiayn.training.schedule import learning_rate
+
+LETTERS = "abcdefghijklmnop"
+
+
+def write_task(folder: Path, n: int, seed: int, prefix: str,
+               reverse: bool = False) -> tuple[Path, Path]:
+    """Sentences of 3-8 letter 'words'; the target copies the source (or reverses it)."""
+    rng = random.Random(seed)
+    src, tgt = [], []
+    for _ in range(n):
+        words = [rng.choice(LETTERS) for _ in range(rng.randint(3, 8))]
+        src.append(" ".join(words))
+        tgt.append(" ".join(reversed(words) if reverse else words))
+    s, t = folder / f"{prefix}.src", folder / f"{prefix}.tgt"
+    s.write_text("\n".join(src) + "\n", encoding="utf-8")
+    t.write_text("\n".join(tgt) + "\n", encoding="utf-8")
+    return s, t
+
+
+def task_config(folder: Path, **train: object) -> Config:
+    train_src, train_tgt = write_task(folder, 2000, 1, "train")
+    valid_src, valid_tgt = write_task(folder, 100, 2, "valid")
+    data = DataConfig(dataset="files", train_src=str(train_src), train_tgt=str(train_tgt),
+                      valid_src=str(valid_src), valid_tgt=str(valid_tgt), vocab_size=40,
+                      max_tokens=512, max_len=32)
+    model = ModelConfig(N=2, d_model=64, d_ff=128, h=4, d_k=16, d_v=16, P_drop=0.0,
+                        vocab_size=40, max_len=128)
+    defaults = dict(warmup_steps=50, lr_scale=2.0, max_steps=40, checkpoint_every_s=0,
+                    checkpoint_every_steps=10, keep_last=10, eval_every_steps=1000,
+                    eval_bleu_sentences=0, log_every_steps=1, epsilon_ls=0.1)
+    defaults.update(train)
+    return Config(name="test", model=model, data=data, train=TrainConfig(**defaults),
+                  decode=DecodeConfig(beam_size=1, max_len_b=10))
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def quiet(msg: str) -> None:
+    pass
+
+
+# --- §5.3 schedule and §5.4 loss --------------------------------------------------------------
+
+def test_learning_rate_follows_eq3() -> None:
+    peak = learning_rate(4000, 512, 4000)
+    assert peak == pytest.approx(512**-0.5 * 4000**-0.5)
+    assert learning_rate(1000, 512, 4000) == pytest.approx(peak / 4)  # linear warmup
+    assert learning_rate(16000, 512, 4000) == pytest.approx(peak / 2)  # inverse square root
+    assert max(learning_rate(s, 512, 4000) for s in range(1, 20000, 7)) <= peak * (1 + 1e-12)
+    assert learning_rate(4000, 512, 4000, scale=2.0) == pytest.approx(2 * peak)
+    with pytest.raises(ValueError, match="step"):
+        learning_rate(0, 512, 4000)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.2])
+def test_label_smoothed_loss_matches_torch(eps: float) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, dtype=torch.float64)
+    target = torch.randint(1, 11, (3, 5))
+    target[0, 3:] = 0
+    target[2, 1:] = 0
+    loss, nll, n = label_smoothed_loss(logits, target, eps, pad_id=0)
+    ref = F.cross_entropy(logits.reshape(-1, 11), target.reshape(-1), ignore_index=0,
+                          label_smoothing=eps, reduction="sum")
+    ref_nll = F.cross_entropy(logits.reshape(-1, 11), target.reshape(-1), ignore_index=0,
+                              reduction="sum")
+    assert n == int((target != 0).sum()) == 9
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-5)
+
+
+# --- learning, resuming, averaging ---------------------------------------------------------------
+
+def test_tiny_model_learns_to_copy(tmp_path: Path) -> None:
+    cfg = task_config(tmp_path, max_steps=300, lr_scale=0.2, checkpoint_every_steps=0,
+                      log_every_steps=50, epsilon_ls=0.0)
+    summary = run_training(cfg, tmp_path / "run", progress=False, log=quiet)
+    assert summary["steps"] == 300
+    model, _, vocab = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
+    src = (tmp_path / "valid.src").read_text().splitlines()
+    ref = (tmp_path / "valid.tgt").read_text().splitlines()
+    hyps = translate_lines(model, vocab, src, beam_size=1, max_len_b=10)
+    exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
+    assert exact >= 0.9, [(h, r) for h, r in zip(hyps, ref) if h != r][:5]
+
+
+def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    cfg = task_config(tmp_path, max_steps=30)
+    cfg = cfg.replace(model=replace(cfg.model, P_drop=0.2))  # dropout: RNG state must resume
+    run_training(cfg, tmp_path / "full", progress=False, log=quiet)
+    part = cfg.replace(train=replace(cfg.train, max_steps=20))
+    run_training(part, tmp_path / "split", progress=False, log=quiet)
+    run_training(None, tmp_path / "split", resume=True, overrides=["train.max_steps=30"],
+                 progress=False, log=quiet)
+    full, split = train_losses(tmp_path / "full"), train_losses(tmp_path / "split")
+    assert sorted(full) == sorted(split) == list(range(1, 31))
+    for step in range(21, 31):
+        assert split[step] == full[step], step
+    a = load_file(str(tmp_path / "full/checkpoints/step-00000030/model.safetensors"))
+    b = load_file(str(tmp_path / "split/checkpoints/step-00000030/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert full[30] < full[1] * 0.8
+
+
+def test_average_is_the_elementwise_mean(tmp_path: Path) -> None:
+    cfg = task_config(tmp_path, max_steps=30)
+    run_dir = tmp_path / "run"
+    run_training(cfg, run_dir, progress=False, log=quiet)
+    from aiayn.cli import main
+
+    out = tmp_path / "avg"
+    assert main(["average", str(run_dir), "--last", "3", "-o", str(out)]) == 0
+    names = [p.name for p in list_checkpoints(run_dir)[-3:]]
+    assert names == ["step-00000010", "step-00000020", "step-00000030"]
+    ws = [load_file(str(run_dir / "checkpoints" / n / "model.safetensors")) for n in names]
+    avg = load_file(str(out / "model.safetensors"))
+    for key in avg:
+        expected = (ws[0][key].double() + ws[1][key].double() + ws[2][key].double()) / 3
+        torch.testing.assert_close(avg[key].double(), expected, rtol=0, atol=1e-6)
+    assert not torch.equal(ws[0]["src_embed.weight"], ws[2]["src_embed.weight"])
+    model, _, _ = load_checkpoint(out)
+    assert model.tgt_embed is model.src_embed
+
+
+def test_nonfinite_losses_stop_the_run_with_a_checkpoint(tmp_path: Path) -> None:
+    from aiayn.data.batching import encode_corpus
+    from aiayn.data.vocab import Vocabulary
+    from aiayn.training.loop import Trainer
+    from aiayn.training.run import load_split
+
+    cfg = task_config(tmp_path, max_steps=50, max_nonfinite=3)
+    corpus = load_split(cfg.data, "train")
+    vocab = Vocabulary.learn(corpus.src + corpus.tgt, 40)
+    cfg = cfg.replace(model=replace(cfg.model, vocab_size=len(vocab)))
+    trainer = Trainer(cfg, tmp_path / "run", vocab, encode_corpus(vocab, corpus, 32),
+                      progress=False)
+    with torch.no_grad():
+        trainer.model.encoder[0].ffn.W_1.weight[0, 0] = float("nan")
+    with pytest.raises(StopTraining, match="4 non-finite losses in a row"):
+        trainer.fit()
+    assert trainer.state.step == 0 and trainer.state.nonfinite_total == 4
+    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000000"]
+
+
+# --- processes: signals, killed writes, torchrun -------------------------------------------------
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("AIAYN_DEBUG", None)
+    return env
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
+    cfg = task_config(tmp_path, max_steps=100000, checkpoint_every_steps=0)
+    config_file = tmp_path / "config.json"
+    config_file.write_text(cfg.to_json())
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "train", "--config",
+                             str(config_file), "--run-dir", str(run_dir), "--no-progress"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (run_dir / "metrics.jsonl").is_file() and \
+                len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out.decode()
+    assert "stop_reason=signal SIGTERM" in out.decode()
+    ckpts = list_checkpoints(run_dir)
+    assert len(ckpts) == 1
+    meta = json.loads((ckpts[0] / "meta.json").read_text())
+    assert meta["reason"] == "signal SIGTERM" and meta["step"] >= 5
+
+
+KILL_SCRIPT = """
+import sys, torch
+from aiayn.checkpoint import save_checkpoint
+from aiayn.config import Config, ModelConfig
+from aiayn.data.vocab import Vocabulary
+from aiayn.model import Transformer
+cfg = Config(model=ModelConfig(N=1, d_model=256, d_ff=1024, h=4, d_k=64, d_v=64,
+                               vocab_size=2000))
+vocab = Vocabulary.learn([f"w{i} x{i * 7} y{i * 13}" for i in range(3000)], 2000)
+cfg = cfg.replace(model=ModelConfig(N=1, d_model=256, d_ff=1024, h=4, d_k=64, d_v=64,
+                                    vocab_size=len(vocab)))
+model = Transformer(cfg.model)
+print("ready", flush=True)
+step = 0
+while True:
+    step += 1
+    save_checkpoint(f"{sys.argv[1]}/checkpoints/step-{step:08d}", model, cfg, vocab,
+                    {"step": step}, {"step": step, "blob": torch.randn(200_000)})
+"""
+
+
+def test_a_killed_checkpoint_write_is_never_loaded(tmp_path: Path) -> None:
+    script = tmp_path / "writer.py"
+    script.write_text(KILL_SCRIPT)
+    run_dir = tmp_path / "run"
+    rng = random.Random(0)
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, str(script), str(run_dir)], env=_env(),
+                                stdout=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.3 + rng.random() * 0.7)
+        proc.kill()  # SIGKILL, possibly in the middle of a write
+        proc.wait()
+        found = list_checkpoints(run_dir)
+        assert found, "no complete checkpoint after the kill"
+        for path in found:
+            model, cfg, vocab = load_checkpoint(path)
+            assert len(vocab) == cfg.model.vocab_size
+        assert resolve_checkpoint(run_dir) == found[-1]
+    leftovers = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert all(p not in list_checkpoints(run_dir) for p in leftovers)
+
+
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path) -> None:
+    """torchrun, gloo, 2 processes x 1 batch == 1 process accumulating the same 2 batches."""
+    from aiayn.data.batching import encode_corpus, make_batches
+    from aiayn.data.vocab import Vocabulary
+    from aiayn.training.run import load_split
+
+    cfg = task_config(tmp_path, max_steps=4, checkpoint_every_steps=4, lr_scale=1.0)
+    corpus = load_split(cfg.data, "train")
+    vocab = Vocabulary.learn(corpus.src + corpus.tgt, 40)
+    vocab.save(tmp_path / "vocab")
+    enc = encode_corpus(vocab, corpus, 32)
+    n_batches = len(make_batches(enc.src_lengths(), enc.tgt_lengths(), cfg.data.max_tokens,
+                                 seed=cfg.train.seed))
+    assert n_batches % 2 == 0, "an even batch count makes the two shardings identical"
+    one = tmp_path / "one.json"
+    one.write_text(cfg.replace(train=replace(cfg.train, accum_steps=2)).to_json())
+    two = tmp_path / "two.json"
+    two.write_text(cfg.to_json())
+    common = ["--vocab", str(tmp_path / "vocab"), "--no-progress", "--device", "cpu"]
+    subprocess.run([sys.executable, "-m", "aiayn", "train", "--config", str(one), "--run-dir",
+                    str(tmp_path / "r1"), *common], env=_env(), check=True, capture_output=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(29500 + os.getpid() % 1000)]
+    res = subprocess.run([*torchrun, "-m", "aiayn", "train", "--config", str(two), "--run-dir",
+                          str(tmp_path / "r2"), *common], env=_env(), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    l1, l2 = train_losses(tmp_path / "r1"), train_losses(tmp_path / "r2")
+    assert sorted(l1) == sorted(l2) == [1, 2, 3, 4]
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
+    w1 = load_file(str(tmp_path / "r1/checkpoints/step-00000004/model.safetensors"))
+    w2 = load_file(str(tmp_path / "r2/checkpoints/step-00000004/model.safetensors"))
+    for key in w1:
+        torch.testing.assert_close(w1[key], w2[key], rtol=1e-4, atol=1e-5)
+    assert math.isfinite(l1[4]) and l1[4] < l1[1]
