@@ -103,10 +103,10 @@ def test_label_smoothed_loss_matches_torch(eps: float) -> None:
 # --- learning, resuming, averaging ---------------------------------------------------------------
 
 def test_tiny_model_learns_to_copy(tmp_path: Path) -> None:
-    cfg = task_config(tmp_path, max_steps=300, lr_scale=0.2, checkpoint_every_steps=0,
-                      log_every_steps=50, epsilon_ls=0.0)
+    cfg = task_config(tmp_path, max_steps=400, lr_scale=0.4, warmup_steps=100,
+                      checkpoint_every_steps=0, log_every_steps=50, epsilon_ls=0.0)
     summary = run_training(cfg, tmp_path / "run", progress=False, log=quiet)
-    assert summary["steps"] == 300
+    assert summary["steps"] == 400
     model, _, vocab = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
     src = (tmp_path / "valid.src").read_text().splitlines()
     ref = (tmp_path / "valid.tgt").read_text().splitlines()
