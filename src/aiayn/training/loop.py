@@ -170,8 +170,6 @@ class Trainer:
             s.epoch += 1
             s.batch_in_epoch = 0
             self._epoch_batches = self._batches_of_epoch(s.epoch)
-            if not self._epoch_batches:
-                raise UserError("the training data holds no pair for this process's shard")
         indices = self._epoch_batches[s.batch_in_epoch]
         s.batch_in_epoch += 1
         return indices
@@ -262,12 +260,15 @@ class Trainer:
         if self.dist.world_size > 1:
             dist.all_reduce(figures)
         loss_tok, nll_tok = (figures / global_tokens).tolist()
-        if not (math.isfinite(loss_tok) and self._grads_finite()):
+        # One fused norm over all gradients (already averaged across processes by DDP, so
+        # every process sees the same value) both detects non-finite gradients and clips.
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        total_norm = nn.utils.get_total_norm(grads)
+        grad_norm = float(total_norm)
+        if not (math.isfinite(loss_tok) and math.isfinite(grad_norm)):
             return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "skipped": 1.0}
-        grad_norm = 0.0
         if self.tc.clip_norm > 0:
-            grad_norm = float(nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                       self.tc.clip_norm))
+            nn.utils.clip_grads_with_norm_(grads, self.tc.clip_norm, total_norm)
         lr = learning_rate(self.state.step + 1, self.config.model.d_model,
                            self.tc.warmup_steps, self.tc.lr_scale)
         for group in self.optimizer.param_groups:
@@ -277,16 +278,6 @@ class Trainer:
         self.state.target_tokens += int(global_tokens)
         return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "lr": lr,
                 "grad_norm": grad_norm, "skipped": 0.0}
-
-    def _grads_finite(self) -> bool:
-        flag = torch.tensor([1.0])
-        for p in self.model.parameters():
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                flag.zero_()
-                break
-        if self.dist.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
 
     # --- validation -----------------------------------------------------------------------
     @torch.no_grad()
