@@ -100,6 +100,35 @@ def test_label_smoothed_loss_matches_torch(eps: float) -> None:
     assert float(nll) == pytest.approx(float(ref_nll), rel=1e-5)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_label_smoothed_loss_gradient_matches_torch(eps: float) -> None:
+    # the hand-written backward (softmax - smoothed target) against autograd through torch's loss
+    torch.manual_seed(1)
+    logits = torch.randn(4, 6, 13, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(1, 13, (4, 6))
+    target[1, 2:] = 0
+    loss, _, _ = label_smoothed_loss(logits, target, eps, pad_id=0)
+    (2.5 * loss).backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    ref = F.cross_entropy(logits.reshape(-1, 13), target.reshape(-1), ignore_index=0,
+                          label_smoothing=eps, reduction="sum")
+    (2.5 * ref).backward()
+    assert torch.allclose(ours, logits.grad, atol=1e-6)  # float32 log-probabilities inside
+    assert ours[1, 2:].abs().max() == 0  # padding gets no gradient
+    # bf16 logits (as under autocast) get a bf16 gradient close to the float64 one
+    bf = logits.detach().to(torch.bfloat16).requires_grad_()
+    loss_bf, _, _ = label_smoothed_loss(bf, target, eps, pad_id=0)
+    (2.5 * loss_bf).backward()
+    assert bf.grad.dtype == torch.bfloat16
+    assert torch.allclose(bf.grad.double(), logits.grad, atol=2e-2)
+
+
+def test_label_smoothed_loss_rejects_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="do not match target"):
+        label_smoothed_loss(torch.randn(3, 5, 11), torch.ones(3, 4, dtype=torch.long), 0.1, 0)
+
+
 # --- learning, resuming, averaging ---------------------------------------------------------------
 
 def test_tiny_model_learns_to_copy(tmp_path: Path) -> None:

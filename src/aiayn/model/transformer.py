@@ -57,6 +57,44 @@ class PositionalEncoding(nn.Module):
         return self.table[offset : offset + length]
 
 
+class Dropout(nn.Module):
+    """Inverted dropout (Srivastava et al. 2014) as §5.4 applies it, with cheaper masks.
+
+    ``nn.Dropout`` draws one float per element through ``bernoulli_``, which on CPU took 14% of a
+    Multi30k training step. Here one random int64 gives four 16-bit draws, each compared with
+    ``P_drop`` quantized to 1/65536 (0.3 becomes 0.29999...), so a mask costs about a seventh as
+    much. It uses torch's default generator, so ``torch.manual_seed`` and the saved RNG state
+    make runs reproducible as before. Identity in eval mode or when ``P_drop`` is 0.
+
+    Args:
+        P_drop: probability of zeroing an element, in [0, 1).
+
+    Raises:
+        ValueError: if ``P_drop`` is outside [0, 1).
+    """
+
+    def __init__(self, P_drop: float) -> None:
+        super().__init__()
+        if not 0.0 <= P_drop < 1.0:
+            raise ValueError(f"P_drop must be in [0, 1), got {P_drop}")
+        self.P_drop = P_drop
+        # keep an element when its uniform int16 draw is >= this threshold
+        self._threshold = -32768 + round(P_drop * 65536)
+        self._scale = 65536 / (65536 - round(P_drop * 65536))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.P_drop == 0.0:
+            return x
+        n = x.numel()
+        draws = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64,
+                              device=x.device).view(torch.int16)[:n].view(x.shape)
+        keep = (draws >= self._threshold).to(x.dtype) * self._scale
+        return x * keep
+
+    def extra_repr(self) -> str:
+        return f"P_drop={self.P_drop}"
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention, §3.2.2: Concat(head_1 … head_h) W^O, head_i = Attention(Q W_i^Q, …).
 
@@ -131,7 +169,7 @@ class _Residual(nn.Module):
     def __init__(self, d_model: int, P_drop: float, pre_norm: bool, eps: float) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d_model, eps=eps)
-        self.dropout = nn.Dropout(P_drop)
+        self.dropout = Dropout(P_drop)
         self.pre_norm = pre_norm
 
     def inner(self, x: Tensor) -> Tensor:
@@ -237,7 +275,7 @@ class Transformer(nn.Module):
         else:
             self.tgt_embed = nn.Embedding(cfg.target_vocab_size, cfg.d_model)
         self.positions = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.positional == "learned")
-        self.embed_dropout = nn.Dropout(cfg.P_drop)
+        self.embed_dropout = Dropout(cfg.P_drop)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.N))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.N))
         pre = cfg.norm == "pre"  # pre-norm stacks end in a LayerNorm of their own
@@ -283,21 +321,29 @@ class Transformer(nn.Module):
             x = self.encoder_norm(x)
         return x, src_mask
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor) -> Tensor:
+    def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
+               output_mask: Tensor | None = None) -> Tensor:
         """Decoder over a whole shifted-right target (teacher forcing).
 
         Args:
             tgt_in: (B, T) ids, beginning with BOS (the output shifted right by one, §3.1).
             memory: (B, S, d_model) from :meth:`encode`; src_mask: bool (B, S).
+            output_mask: optional bool (B, T): project only these positions (training passes
+                the non-pad targets, so padding never reaches the V-wide output layer).
 
         Returns:
-            logits (B, T, V_tgt).
+            logits (B, T, V_tgt), or (n, V_tgt) for the n True positions of ``output_mask``.
         """
         _check_src_mask(src_mask, memory.shape[:2])
         cross_mask = src_mask[:, None, None, :]
         x = self._embed(self.tgt_embed, tgt_in)
         for layer in self.decoder:
             x = layer(x, layer.cross_attn.project_kv(memory), cross_mask)
+        if output_mask is not None:
+            if output_mask.dtype != torch.bool or output_mask.shape != tgt_in.shape:
+                raise ValueError(f"output_mask must be bool of shape {tuple(tgt_in.shape)}, got "
+                                 f"{output_mask.dtype} {tuple(output_mask.shape)}")
+            x = x[output_mask]
         return self.project(x)
 
     def project(self, x: Tensor) -> Tensor:
@@ -306,10 +352,12 @@ class Transformer(nn.Module):
             x = self.decoder_norm(x)
         return F.linear(x, self.tgt_embed.weight)
 
-    def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None) -> Tensor:
-        """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V_tgt)."""
+    def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None,
+                output_mask: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V_tgt), or (n, V_tgt)
+        for the n True positions of ``output_mask`` (B, T) (see :meth:`decode`)."""
         memory, src_mask = self.encode(src, src_mask)
-        return self.decode(tgt_in, memory, src_mask)
+        return self.decode(tgt_in, memory, src_mask, output_mask)
 
     def start_cache(self, memory: Tensor, src_mask: Tensor) -> DecoderCache:
         """Incremental decoding state for ``memory`` (B, S, d_model): the encoder-decoder keys

@@ -249,10 +249,12 @@ class Trainer:
             ctx = self.ddp_model.no_sync() if (self.dist.world_size > 1 and not sync) \
                 else contextlib.nullcontext()
             with ctx, self._attention_backend():
+                # only the non-pad positions reach the output layer and the loss
+                keep = batch.tgt_out != PAD_ID
                 with self._autocast():
-                    logits = self.ddp_model(batch.src, batch.tgt_in)
-                loss, nll, _ = label_smoothed_loss(logits, batch.tgt_out, self.tc.epsilon_ls,
-                                                   PAD_ID)
+                    logits = self.ddp_model(batch.src, batch.tgt_in, output_mask=keep)
+                loss, nll, _ = label_smoothed_loss(logits, batch.tgt_out[keep],
+                                                   self.tc.epsilon_ls, PAD_ID)
                 (loss * scale).backward()
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
@@ -293,9 +295,11 @@ class Trainer:
                                  self.config.data.max_tokens, shuffle=False)
             for idx in order:
                 b = collate(self.valid_encoded, idx).to(self.device)
+                keep = b.tgt_out != PAD_ID
                 with self._autocast():
-                    logits = self.model(b.src, b.tgt_in)
-                loss, nll, k = label_smoothed_loss(logits, b.tgt_out, self.tc.epsilon_ls, PAD_ID)
+                    logits = self.model(b.src, b.tgt_in, output_mask=keep)
+                loss, nll, k = label_smoothed_loss(logits, b.tgt_out[keep], self.tc.epsilon_ls,
+                                                   PAD_ID)
                 loss_sum, nll_sum, n = loss_sum + float(loss), nll_sum + float(nll), n + k
             out["valid_loss"] = loss_sum / n
             out["valid_nll"] = nll_sum / n
