@@ -63,9 +63,13 @@ def time_steps(model, batches, bf16: bool, math_attention: bool, warmup: int) ->
         ac = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         kernel = sdpa_kernel(SDPBackend.MATH) if math_attention else contextlib.nullcontext()
         with kernel:
+            keep = b.tgt_out != PAD_ID
             with ac:
-                logits = model(b.src, b.tgt_in)
-            loss, _, n = label_smoothed_loss(logits, b.tgt_out, 0.1, PAD_ID)
+                if isinstance(model, Transformer):  # ours projects the non-pad positions only
+                    logits = model(b.src, b.tgt_in, output_mask=keep)
+                else:
+                    logits = model(b.src, b.tgt_in)[keep]
+            loss, _, n = label_smoothed_loss(logits, b.tgt_out[keep], 0.1, PAD_ID)
             opt.zero_grad(set_to_none=True)
             (loss / n).backward()
         opt.step()

@@ -67,7 +67,7 @@ def test_reject_long_and_invalid_utf8_are_clear_errors(checkpoint, tmp_path, cap
     assert rc == 2 and "line 2" in capsys.readouterr().err
     rc, _ = translate(checkpoint, tmp_path, b"ok\nfine\nbad \xc3\x28 byte\n")
     err = capsys.readouterr().err
-    assert rc == 2 and "line 3 is not valid UTF-8" in err
+    assert rc == 2 and "line 3: invalid UTF-8" in err
 
 
 def test_stdin_stdout_nbest_and_json(checkpoint, monkeypatch, capsysbinary):

@@ -16,10 +16,10 @@ All functions take hypotheses and references as lists of lines, one per segment.
 from __future__ import annotations
 
 import functools
-import gzip
 import re
 from pathlib import Path
 
+from aiayn.data.corpus import read_lines as read_corpus_lines
 from aiayn.errors import DataError
 
 PROTOCOLS = {
@@ -120,19 +120,14 @@ def multi30k_tokenize(line: str, lang: str) -> str:
 
 
 def read_lines(path: str | Path) -> list[str]:
-    """Lines of a UTF-8 text file (``.gz`` read transparently), without line endings.
+    """Lines of a UTF-8 text file (``.gz`` read transparently), without line endings and
+    otherwise unchanged (scoring sees the text exactly as written).
 
     Raises:
         FileNotFoundError: no such file.
-        DataError: invalid UTF-8 (with the line number).
+        DataError: invalid UTF-8 (with the line number) or a broken gzip stream.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    return decode_lines(data, str(path))
+    return read_corpus_lines(path, strip=False)
 
 
 def decode_lines(data: bytes, name: str) -> list[str]:
@@ -154,8 +149,9 @@ def decode_lines(data: bytes, name: str) -> list[str]:
         try:
             lines.append(line.decode("utf-8"))
         except UnicodeDecodeError as err:
-            raise DataError(f"{name}: line {n} is not valid UTF-8 (byte {err.start + 1}: "
-                            f"{err.reason})") from None
+            # the wording of aiayn.data.corpus.read_lines, so files and stdin read alike
+            raise DataError(f"{name}, line {n}: invalid UTF-8 ({err.reason} at byte "
+                            f"{err.start} of the line)") from None
     return lines
 
 

@@ -367,8 +367,14 @@ class Trainer:
         if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=tc.max_steps, initial=self.state.step, unit="step",
-                       dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+            # a time budget ends the run before max_steps: then the bar counts training seconds
+            by_time = bool(tc.time_budget_s)
+            bar = tqdm(total=int(tc.time_budget_s) if by_time else tc.max_steps,
+                       initial=int(self.state.elapsed_s) if by_time else self.state.step,
+                       unit="s" if by_time else "step", desc="train", dynamic_ncols=True,
+                       file=sys.stderr, mininterval=1.0,
+                       bar_format=("{l_bar}{bar}| {n_fmt}/{total_fmt} s of training "
+                                   "[{elapsed}<{remaining}{postfix}]") if by_time else None)
         stop_reason = "max_steps"
         last_valid: dict[str, float] = {}
         consecutive_bad = 0
@@ -405,7 +411,8 @@ class Trainer:
                 window["steps"] += 1
                 step = self.state.step
                 if bar is not None:
-                    bar.update(1)
+                    done = min(int(self.state.elapsed_s), bar.total) if by_time else step
+                    bar.update(done - bar.n)
                 if step % tc.log_every_steps == 0 or step == 1:
                     dt = max(now - window["t0"], 1e-9)
                     record = {
@@ -419,7 +426,8 @@ class Trainer:
                     }
                     self._log(record)
                     if bar is not None:
-                        bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{fig['lr']:.2e}",
+                        bar.set_postfix(step=step, loss=f"{record['loss']:.3f}",
+                                        lr=f"{fig['lr']:.2e}",
                                         tok_s=f"{record['tokens_per_s']:.0f}")
                     window = {"tokens": 0.0, "loss": 0.0, "nll": 0.0, "steps": 0,
                               "t0": time.monotonic()}
