@@ -13,6 +13,7 @@ import reference
 from aiayn.config import ModelConfig
 from aiayn.model import (
     DecoderLayer,
+    Dropout,
     EncoderLayer,
     MultiHeadAttention,
     PositionalEncoding,
@@ -60,6 +61,40 @@ def test_forward_shapes():
     assert memory.shape == (3, 8, 32)
     assert src_mask.dtype == torch.bool and src_mask.tolist()[2] == [True] * 2 + [False] * 6
     assert model(src, tgt).shape == (3, 6, V)
+
+
+def test_output_mask_projects_only_the_chosen_positions():
+    model = make_model()
+    src, _ = padded_source()
+    tgt = tokens(3, 6, seed=2)
+    keep = torch.tensor([[True] * 6, [True] * 3 + [False] * 3, [True] + [False] * 5])
+    full = model(src, tgt)  # (3, 6, V)
+    picked = model(src, tgt, output_mask=keep)  # (n, V)
+    assert picked.shape == (10, V)
+    assert torch.allclose(picked, full[keep], atol=1e-6)
+    with pytest.raises(ValueError, match="output_mask must be bool"):
+        model(src, tgt, output_mask=keep.long())
+
+
+def test_dropout_keeps_1_minus_p_and_preserves_the_mean():
+    torch.manual_seed(0)
+    drop = Dropout(0.3)
+    x = torch.ones(200_000)
+    y = drop(x)
+    kept = y != 0
+    assert abs(float(kept.float().mean()) - 0.7) < 0.005
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.7), rtol=1e-4)
+    assert abs(float(y.mean()) - 1.0) < 0.01  # inverted dropout: E[y] = x
+    torch.manual_seed(0)
+    assert torch.equal(drop(x), y)  # torch's generator: seeded runs repeat
+    assert not torch.equal(drop(x), y)  # and successive calls draw new masks
+    z = torch.randn(3, 5, 7, dtype=torch.bfloat16)
+    assert drop(z).shape == z.shape and drop(z).dtype == torch.bfloat16
+    assert torch.equal(drop.eval()(z), z)  # identity in eval mode
+    assert torch.equal(Dropout(0.0).train()(z), z)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="P_drop"):
+            Dropout(bad)
 
 
 def test_changing_a_padded_source_token_changes_no_output():

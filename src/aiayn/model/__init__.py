@@ -3,6 +3,7 @@
 from aiayn.model.cache import DecoderCache
 from aiayn.model.transformer import (
     DecoderLayer,
+    Dropout,
     EncoderLayer,
     MultiHeadAttention,
     PositionalEncoding,
@@ -15,6 +16,7 @@ from aiayn.model.transformer import (
 __all__ = [
     "DecoderCache",
     "DecoderLayer",
+    "Dropout",
     "EncoderLayer",
     "MultiHeadAttention",
     "PositionalEncoding",

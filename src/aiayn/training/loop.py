@@ -231,6 +231,14 @@ class Trainer:
             return sdpa_kernel(SDPBackend.MATH)
         return contextlib.nullcontext()
 
+    def _batch_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Label-smoothed loss of one batch (§5.4), summed over its non-pad target tokens; only
+        those positions reach the output layer. Returns (loss_sum, nll_sum, n_tokens)."""
+        keep = batch.tgt_out != PAD_ID  # (B, T)
+        with self._autocast():
+            logits = model(batch.src, batch.tgt_in, output_mask=keep)  # (n, V)
+        return label_smoothed_loss(logits, batch.tgt_out[keep], self.tc.epsilon_ls, PAD_ID)
+
     def train_step(self) -> dict[str, float]:
         """One update from ``accum_steps`` batches (per process). Returns loss figures."""
         self.ddp_model.train()
@@ -249,12 +257,7 @@ class Trainer:
             ctx = self.ddp_model.no_sync() if (self.dist.world_size > 1 and not sync) \
                 else contextlib.nullcontext()
             with ctx, self._attention_backend():
-                # only the non-pad positions reach the output layer and the loss
-                keep = batch.tgt_out != PAD_ID
-                with self._autocast():
-                    logits = self.ddp_model(batch.src, batch.tgt_in, output_mask=keep)
-                loss, nll, _ = label_smoothed_loss(logits, batch.tgt_out[keep],
-                                                   self.tc.epsilon_ls, PAD_ID)
+                loss, nll, _ = self._batch_loss(self.ddp_model, batch)
                 (loss * scale).backward()
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
@@ -295,11 +298,7 @@ class Trainer:
                                  self.config.data.max_tokens, shuffle=False)
             for idx in order:
                 b = collate(self.valid_encoded, idx).to(self.device)
-                keep = b.tgt_out != PAD_ID
-                with self._autocast():
-                    logits = self.model(b.src, b.tgt_in, output_mask=keep)
-                loss, nll, k = label_smoothed_loss(logits, b.tgt_out[keep], self.tc.epsilon_ls,
-                                                   PAD_ID)
+                loss, nll, k = self._batch_loss(self.model, b)
                 loss_sum, nll_sum, n = loss_sum + float(loss), nll_sum + float(nll), n + k
             out["valid_loss"] = loss_sum / n
             out["valid_nll"] = nll_sum / n

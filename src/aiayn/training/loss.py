@@ -11,7 +11,7 @@ from torch import Tensor
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """Summed label-smoothed cross-entropy of (n, V) logits with a hand-written backward.
 
-    Forward: one ``log_softmax`` in float32 serves both the gold term and the uniform term.
+    Forward: one ``log_softmax`` in float32 (or float64) serves both the gold term and the uniform term.
     Backward: d loss / d logits = softmax - q, with q = (1 - eps) one_hot(gold) + eps / V: one
     ``exp`` over the saved log-probabilities and one scatter, where autograd would chain the
     backward of ``log_softmax``, of ``gather``, of ``mean`` and of the dtype cast.
@@ -19,7 +19,9 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, gold: Tensor, epsilon_ls: float) -> tuple[Tensor, Tensor]:
-        lprobs = F.log_softmax(logits, dim=-1, dtype=torch.float32)  # (n, V)
+        # float32 at least (bf16 logits under autocast), float64 kept for reference checks
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        lprobs = F.log_softmax(logits, dim=-1, dtype=dtype)  # (n, V)
         nll_sum = -lprobs.gather(1, gold.unsqueeze(1)).sum()
         if epsilon_ls > 0:
             smooth_sum = -lprobs.sum() / lprobs.shape[-1]
@@ -39,7 +41,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         if eps > 0:
             grad.sub_(eps / grad.shape[-1])
         grad.scatter_add_(1, gold.unsqueeze(1),
-                          torch.full((gold.numel(), 1), eps - 1.0, device=grad.device))
+                          torch.full((gold.numel(), 1), eps - 1.0, dtype=grad.dtype,
+                                     device=grad.device))
         return grad.mul_(grad_loss).to(ctx.dtype), None, None
 
 
