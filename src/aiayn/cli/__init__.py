@@ -40,10 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # a subcommand not built yet
         p = sub.add_parser(name, help=module.HELP, description=module.HELP,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           formatter_class=_HelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where the help text does not already name the default
+    and there is one to name (not None, False or an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,8 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
                    help="sentences decoded together (default: decode.batch_size)")
     p.add_argument("--sample", action="store_true",
                    help="sample instead of searching (with --temperature, --top-k, --top-p)")
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="with --sample: divide the logits by this (<1 sharper, >1 flatter)")
     p.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus filter")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
