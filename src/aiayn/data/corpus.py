@@ -64,6 +64,19 @@ WMT14_LANGS = ("en", "de")
 
 
 # --- files ------------------------------------------------------------------------------------
+def decode_line(line: bytes, name: str | Path, number: int) -> str:
+    """One line's bytes as UTF-8 text, for files and stdin alike.
+
+    Raises:
+        DataError: invalid UTF-8, naming ``name``, the 1-based line ``number`` and the byte.
+    """
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{name}, line {number}: invalid UTF-8 ({err.reason} at "
+                        f"byte {err.start} of the line)") from None
+
+
 def read_lines(path: str | Path, strip: bool = True) -> list[str]:
     """All lines of a UTF-8 text file (plain, or gzip when the name ends in ``.gz``), each
     stripped of surrounding whitespace (``strip=False``: of the line end ``\\n`` or ``\\r\\n``
@@ -83,12 +96,8 @@ def read_lines(path: str | Path, strip: bool = True) -> list[str]:
     try:
         with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
             for number, line in enumerate(f, start=1):
-                try:
-                    text = line.decode("utf-8")
-                    out.append(text.strip() if strip else text.rstrip("\r\n"))
-                except UnicodeDecodeError as err:
-                    raise DataError(f"{path}, line {number}: invalid UTF-8 ({err.reason} at "
-                                    f"byte {err.start} of the line)") from None
+                text = decode_line(line, path, number)
+                out.append(text.strip() if strip else text.rstrip("\r\n"))
     except (OSError, EOFError, zlib.error) as err:  # gzip.BadGzipFile is an OSError
         hint = "; is it a complete gzip file?" if path.suffix == ".gz" else ""
         raise DataError(f"{path}: read failed after line {number} ({err}){hint}") from None

@@ -19,6 +19,7 @@ import functools
 import re
 from pathlib import Path
 
+from aiayn.data.corpus import decode_line
 from aiayn.data.corpus import read_lines as read_corpus_lines
 from aiayn.errors import DataError
 
@@ -142,17 +143,8 @@ def decode_lines(data: bytes, name: str) -> list[str]:
     raw = data.split(b"\n")
     if raw and raw[-1] == b"":
         raw.pop()
-    lines = []
-    for n, line in enumerate(raw, 1):
-        if line.endswith(b"\r"):
-            line = line[:-1]
-        try:
-            lines.append(line.decode("utf-8"))
-        except UnicodeDecodeError as err:
-            # the wording of aiayn.data.corpus.read_lines, so files and stdin read alike
-            raise DataError(f"{name}, line {n}: invalid UTF-8 ({err.reason} at byte "
-                            f"{err.start} of the line)") from None
-    return lines
+    return [decode_line(line[:-1] if line.endswith(b"\r") else line, name, n)
+            for n, line in enumerate(raw, 1)]
 
 
 def multi30k_tok_bleu(hyps: list[str], ref_tok: list[str] | str | Path, lang: str) -> float:
