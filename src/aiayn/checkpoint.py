@@ -5,7 +5,7 @@
     CKPT/model.safetensors    weights (safetensors; tied matrices stored once)
     CKPT/config.json          the full resolved Config of the run
     CKPT/tokenizer.json       the shared subword vocabulary
-    CKPT/meta.json            step, time, metrics (optional)
+    CKPT/meta.json            step, time, metrics, the vocabulary's fingerprint
     CKPT/training_state.pt    optimizer, schedule, RNGs, data position (training checkpoints only;
                               tensors and plain containers, loaded with weights_only=True)
 
@@ -54,7 +54,11 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     training_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write a checkpoint directory atomically (a temp dir, fsync, rename over any old one)."""
+    """Write a checkpoint directory atomically (a temp dir, fsync, rename over any old one).
+
+    ``meta.json`` gets ``meta`` plus ``vocab_fingerprint`` (:attr:`Vocabulary.fingerprint`), so
+    that loading can tell a swapped ``tokenizer.json`` of the same size.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
@@ -62,8 +66,8 @@ def save_checkpoint(
         _st_save_model(model, str(tmp / WEIGHTS))
         (tmp / CONFIG).write_text(config.to_json(), encoding="utf-8")
         vocab.save(tmp)
-        (tmp / META).write_text(json.dumps(meta or {}, indent=2, sort_keys=True),
-                                encoding="utf-8")
+        meta = {**(meta or {}), "vocab_fingerprint": vocab.fingerprint}
+        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
         if training_state is not None:
             torch.save(training_state, tmp / STATE)
         for f in tmp.iterdir():
@@ -126,13 +130,15 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: see :func:`resolve_checkpoint`.
-        UserError: the vocabulary does not fit the model, or the weights do not fit the config.
+        UserError: the vocabulary is not the one the model was trained with (size, or the
+            fingerprint in ``meta.json``), or the weights do not fit the config.
     """
     path = resolve_checkpoint(path)
     config = Config.from_dict(json.loads((path / CONFIG).read_text(encoding="utf-8")),
                               source=str(path / CONFIG))
     vocab = Vocabulary.load(path)
-    check_vocab(config, vocab, str(path))
+    vocab.check_matches(config.model.vocab_size, read_meta(path).get("vocab_fingerprint"),
+                        where=str(path))
     model = Transformer(config.model)
     try:
         missing, unexpected = _st_load_model(model, str(path / WEIGHTS), strict=False)
@@ -146,12 +152,22 @@ def load_checkpoint(
     return model.to(device).eval(), config, vocab
 
 
-def check_vocab(config: Config, vocab: Vocabulary, where: str) -> None:
-    """Raise a clear error when ``vocab`` is not the vocabulary the model was built for."""
-    if len(vocab) != config.model.vocab_size:
-        raise UserError(
-            f"{where}: the vocabulary has {len(vocab)} tokens but the model expects "
-            f"vocab_size={config.model.vocab_size}; use the vocabulary the model was trained with")
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``meta.json`` ({} when absent, as in checkpoints of older versions).
+
+    Raises:
+        UserError: the file is not a JSON object.
+    """
+    file = Path(path) / META
+    if not file.is_file():
+        return {}
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{file}: not valid JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{file}: expected a JSON object, found {type(meta).__name__}")
+    return meta
 
 
 def load_training_state(path: str | Path) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 from aiayn.checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
 from aiayn.decoding import translate_lines
+from aiayn.errors import DataError, UserError
+from aiayn.training.average import average_checkpoints
 from aiayn.training.loss import label_smoothed_loss
 from aiayn.training.loop import StopTraining
 from aiayn.training.run import run_training
@@ -180,6 +182,31 @@ def test_average_is_the_elementwise_mean(tmp_path: Path) -> None:
     assert not torch.equal(ws[0]["src_embed.weight"], ws[2]["src_embed.weight"])
     model, _, _ = load_checkpoint(out)
     assert model.tgt_embed is model.src_embed
+
+
+def test_a_swapped_vocabulary_of_the_same_size_is_refused(tmp_path: Path) -> None:
+    cfg = task_config(tmp_path, max_steps=20)
+    run_dir = tmp_path / "run"
+    run_training(cfg, run_dir, progress=False, log=quiet)
+    older, newer = list_checkpoints(run_dir)[-2:]
+    load_checkpoint(newer)  # intact: loads
+    # same size, two tokens trade ids: only the fingerprint can tell
+    tok_file = newer / "tokenizer.json"
+    tok = json.loads(tok_file.read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tok_file.write_text(json.dumps(tok), encoding="utf-8")
+    with pytest.raises(DataError, match="not the one the model was trained with"):
+        load_checkpoint(newer)
+    # averaging refuses checkpoints recorded with different vocabularies, naming them
+    meta_file = older / "meta.json"
+    meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    meta["vocab_fingerprint"] = "f" * 64
+    meta_file.write_text(json.dumps(meta), encoding="utf-8")
+    with pytest.raises(UserError, match="different vocabularies: .*step-00000010 \\(ffffffffffff\\)"):
+        average_checkpoints([older, newer], tmp_path / "avg")
+    assert not (tmp_path / "avg").exists()
 
 
 def test_nonfinite_losses_stop_the_run_with_a_checkpoint(tmp_path: Path) -> None:

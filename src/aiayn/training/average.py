@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from aiayn.checkpoint import load_checkpoint, save_checkpoint
+from aiayn.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from aiayn.errors import UserError
 
 
@@ -18,10 +18,17 @@ def average_checkpoints(paths: list[Path], output: str | Path) -> Path:
     The config and vocabulary come from the newest checkpoint; all must share them.
 
     Raises:
-        UserError: no paths, or checkpoints whose tensors differ in names or shapes.
+        UserError: no paths, checkpoints whose tensors differ in names or shapes, or whose
+            vocabularies differ.
     """
     if not paths:
         raise UserError("no checkpoints to average")
+    fingerprints = {Path(p): read_meta(p).get("vocab_fingerprint") for p in paths}
+    if len({f for f in fingerprints.values() if f is not None}) > 1:
+        listing = ", ".join(f"{p} ({f[:12] if f else 'none recorded'})"
+                            for p, f in fingerprints.items())
+        raise UserError(f"the checkpoints were trained with different vocabularies: {listing}; "
+                        "average checkpoints of one run only")
     total: dict[str, torch.Tensor] = {}
     for path in paths:
         weights = load_file(str(Path(path) / "model.safetensors"))
