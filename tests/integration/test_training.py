@@ -204,7 +204,8 @@ def test_a_swapped_vocabulary_of_the_same_size_is_refused(tmp_path: Path) -> Non
     meta = json.loads(meta_file.read_text(encoding="utf-8"))
     meta["vocab_fingerprint"] = "f" * 64
     meta_file.write_text(json.dumps(meta), encoding="utf-8")
-    with pytest.raises(UserError, match="different vocabularies: .*step-00000010 \\(ffffffffffff\\)"):
+    named = r"different vocabularies: .*step-00000010 \(ffffffffffff\)"
+    with pytest.raises(UserError, match=named):
         average_checkpoints([older, newer], tmp_path / "avg")
     assert not (tmp_path / "avg").exists()
 
