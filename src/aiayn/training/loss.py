@@ -11,7 +11,8 @@ from torch import Tensor
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """Summed label-smoothed cross-entropy of (n, V) logits with a hand-written backward.
 
-    Forward: one ``log_softmax`` in float32 (or float64) serves both the gold term and the uniform term.
+    Forward: one ``log_softmax`` in float32 (float64 for float64 logits) serves both the gold
+    term and the uniform term.
     Backward: d loss / d logits = softmax - q, with q = (1 - eps) one_hot(gold) + eps / V: one
     ``exp`` over the saved log-probabilities and one scatter, where autograd would chain the
     backward of ``log_softmax``, of ``gather``, of ``mean`` and of the dtype cast.
@@ -49,7 +50,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
 def label_smoothed_loss(
     logits: Tensor, target: Tensor, epsilon_ls: float, pad_id: int
 ) -> tuple[Tensor, Tensor, int]:
-    """Summed loss over the non-pad target tokens.
+    """Label-smoothed cross-entropy (§5.4), summed over the non-pad target tokens.
 
     The target distribution is (1 - epsilon_ls) on the gold token plus epsilon_ls / V on every
     token; the loss is its cross-entropy with the model's distribution. One ``log_softmax`` in
@@ -63,8 +64,11 @@ def label_smoothed_loss(
 
     Returns:
         (loss_sum, nll_sum, n_tokens): the smoothed loss and the plain negative log-likelihood,
-        both summed over the n_tokens non-pad positions (float32 scalars; nll_sum carries no
-        gradient).
+        both summed over the n_tokens non-pad positions (float32 scalars, float64 for float64
+        logits; nll_sum carries no gradient).
+
+    Raises:
+        ValueError: ``logits`` is not (..., V) over ``target``'s shape.
     """
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match target "
