@@ -21,17 +21,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "newest checkpoint)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for decoding (default: torch's choice)")
     g = p.add_argument_group("limits (a request over one is refused with 413, 422 or 429)")
-    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    g.add_argument("--max-lines", type=int, default=d.max_lines, help="lines per request")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="request body size; more gets 413")
+    g.add_argument("--max-lines", type=int, default=d.max_lines, help="lines per request; more gets 413")
     g.add_argument("--max-chars", type=int, default=d.max_chars,
-                   help="characters per line or sentence")
+                   help="characters per line or sentence; more gets 413")
     g.add_argument("--max-attention-tokens", type=int, default=d.max_attention_tokens,
-                   help="subword tokens of an /attention source or target")
+                   help="subword tokens of an /attention source or target; more gets 413")
     g.add_argument("--max-concurrent", type=int, default=d.max_concurrent,
                    help="requests answered at once; one more gets 429")
     g.add_argument("--max-queue-lines", type=int, default=d.max_queue_lines,
@@ -40,11 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lines decoded together")
     g.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms,
                    help="how long a request waits for others to share its batch")
-    g.add_argument("--max-beam", type=int, default=d.max_beam)
+    g.add_argument("--max-beam", type=int, default=d.max_beam,
+                   help="the largest beam a request may ask for; more gets 422")
     p.add_argument("--graceful-timeout-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long requests in flight may take to finish")
     p.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
+                   choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
 
 
 def run(args: argparse.Namespace) -> int:

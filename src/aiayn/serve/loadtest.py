@@ -52,9 +52,10 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[i]
 
 
-def run_load(url: str, body: dict, *, requests: int = 2000, concurrency: int = 32,
+def run_load(url: str, body: dict | None, *, requests: int = 2000, concurrency: int = 32,
              request_timeout_s: float = 30.0, time_limit_s: float = 120.0) -> LoadReport:
-    """POST ``body`` (JSON) to ``url`` ``requests`` times from ``concurrency`` clients.
+    """POST ``body`` (JSON) to ``url`` ``requests`` times from ``concurrency`` clients (GET
+    when ``body`` is None).
 
     Raises:
         ValueError: ``url`` is not on 127.0.0.1 / localhost / ::1, or bad counts.
@@ -83,7 +84,7 @@ async def _run(url, body, requests, concurrency, request_timeout_s) -> LoadRepor
             for _ in todo:
                 start = time.perf_counter()
                 try:
-                    r = await client.post(url, json=body)
+                    r = await (client.get(url) if body is None else client.post(url, json=body))
                 except httpx.HTTPError as err:
                     errors[type(err).__name__] += 1
                     continue
