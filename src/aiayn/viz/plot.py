@@ -28,6 +28,20 @@ def _pyplot():
     return plt
 
 
+def display_tokens(tokens: list[str]) -> list[str]:
+    """Subwords as a reader expects them: the word-start marker ``▁`` dropped, a piece that
+    continues a word shown with a leading ``-`` (``▁bi``, ``ke`` -> ``bi``, ``-ke``)."""
+    out = []
+    for tok in tokens:
+        if tok.startswith("<") and tok.endswith(">"):
+            out.append(tok)
+        elif tok.startswith("\u2581"):
+            out.append(tok[1:] or "\u2581")
+        else:
+            out.append("-" + tok)
+    return out
+
+
 def _check(maps: AttentionMaps, kind: str, layer: int, heads: list[int]) -> None:
     N, h = maps.of(kind).shape[:2]
     if not 0 <= layer < N:
@@ -47,6 +61,9 @@ def _save(fig, path: str | Path) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, format="png", dpi=fig.dpi, bbox_inches="tight")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the image from others
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -81,7 +98,7 @@ def draw_lines(maps: AttentionMaps, kind: str, layer: int, heads: list[int],
     _check(maps, kind, layer, heads)
     plt = _pyplot()
     weights = maps.of(kind)[layer]  # (h, Tq, Tk)
-    queries, keys = maps.labels(kind)
+    queries, keys = map(display_tokens, maps.labels(kind))
     rows = max(len(queries), len(keys))
     fig, ax = plt.subplots(figsize=(4.8, 0.8 + 0.26 * rows), dpi=110)
     y_q = [rows - 1 - i * (rows - 1) / max(len(queries) - 1, 1) for i in range(len(queries))]
@@ -120,7 +137,7 @@ def draw_heatmaps(maps: AttentionMaps, kind: str, layer: int, heads: list[int],
     _check(maps, kind, layer, heads)
     plt = _pyplot()
     weights = maps.of(kind)[layer]
-    queries, keys = maps.labels(kind)
+    queries, keys = map(display_tokens, maps.labels(kind))
     cols = min(len(heads), 4)
     grid_rows = (len(heads) + cols - 1) // cols
     cell = 0.22
