@@ -58,7 +58,7 @@ def test_health_info_page_and_unknown_paths(url, loaded):
 
 
 def test_translate_answers_what_translate_nbest_gives(url, loaded):
-    model, config, vocab = loaded
+    model, _, vocab = loaded
     lines = ["Two dogs play in the snow.", "A man rides a bike."]
     r = post(url, "/translate", {"lines": lines, "beam": 3, "alpha": 0.6, "nbest": 2})
     assert r.status_code == 200

@@ -21,8 +21,8 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live")
     ckpt = tiny_checkpoint(tmp / "ckpt")
     # a small queue, so that the load test also meets the 429 path when it is full
-    with serve_process(ckpt, "--max-queue-lines", "24", "--max-lines", "8", "--max-batch-lines", "32",
-                       log=tmp / "serve.log") as (proc, url):
+    with serve_process(ckpt, "--max-queue-lines", "24", "--max-lines", "8",
+                       "--max-batch-lines", "32", log=tmp / "serve.log") as (proc, url):
         yield proc, url
 
 

@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits (a request over one is refused with 413, 422 or 429)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="request body size; more gets 413")
-    g.add_argument("--max-lines", type=int, default=d.max_lines, help="lines per request; more gets 413")
+    g.add_argument("--max-lines", type=int, default=d.max_lines,
+                   help="lines per request; more gets 413")
     g.add_argument("--max-chars", type=int, default=d.max_chars,
                    help="characters per line or sentence; more gets 413")
     g.add_argument("--max-attention-tokens", type=int, default=d.max_attention_tokens,
