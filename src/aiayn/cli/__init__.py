@@ -19,6 +19,8 @@ COMMANDS = {
     "train": "aiayn.cli.train",
     "average": "aiayn.cli.average",
     "translate": "aiayn.cli.translate",
+    "attention": "aiayn.cli.attention",
+    "serve": "aiayn.cli.serve",
     "evaluate": "aiayn.cli.evaluate",
     "plot": "aiayn.cli.plot",
     "params": "aiayn.cli.params",
