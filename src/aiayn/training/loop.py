@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -38,14 +37,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from aiayn.checkpoint import (
     list_checkpoints,
     load_training_state,
+    prune_checkpoints,
     save_checkpoint,
-    write_json_atomic,
 )
 from aiayn.config import Config
 from aiayn.data.batching import EncodedCorpus, collate, make_batches
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import PAD_ID, Vocabulary
 from aiayn.errors import UserError
+from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.training.loss import label_smoothed_loss
 from aiayn.training.schedule import learning_rate
@@ -70,9 +70,13 @@ class DistInfo:
 
 
 def init_distributed(device: torch.device) -> DistInfo:
-    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA)."""
+    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA); the one place
+    that does (:func:`aiayn.training.run.run_training` calls it before anything else). A no-op
+    for a single process or when already joined."""
     info = DistInfo.from_env()
     if info.world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL and object collectives use the current device
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return info
 
@@ -129,7 +133,12 @@ class Trainer:
         self.valid = valid
         self.valid_encoded = valid_encoded
         self.device = torch.device(device)
-        self.dist = init_distributed(self.device)
+        self.dist = DistInfo.from_env()
+        if self.dist.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError("several processes: call init_distributed(device) before "
+                               "building a Trainer")
+        if len(train) == 0:
+            raise ValueError("no training pairs: every epoch would be empty")
         self.progress = progress and self.dist.is_main
         # SDPA's CPU flash kernel has a slow backward at sentence lengths of ~30 tokens; the
         # plain math kernel is faster there (measured in bench/bench_train.py).
@@ -167,6 +176,8 @@ class Trainer:
         if self._epoch_batches is None:
             self._epoch_batches = self._batches_of_epoch(s.epoch)
         while s.batch_in_epoch >= len(self._epoch_batches):
+            if not self._epoch_batches and s.batch_in_epoch == 0:
+                raise ValueError(f"epoch {s.epoch} has no batch")  # guarded in __init__
             s.epoch += 1
             s.batch_in_epoch = 0
             self._epoch_batches = self._batches_of_epoch(s.epoch)
@@ -183,21 +194,45 @@ class Trainer:
             "best_metric": s.best_metric, "evals_since_best": s.evals_since_best,
             "target_tokens": s.target_tokens,
             "optimizer": self.optimizer.state_dict(),
-            "torch_rng": torch.get_rng_state(),  # dropout masks; batching has its own seed
+            # dropout masks: every process's own generators; batching has its own seed
+            "rng": self._gather_rng_states(),
             "rank": self.dist.rank, "world_size": self.dist.world_size,
         }
 
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _gather_rng_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each process's CPU (and CUDA) RNG state, by rank (a collective: all ranks call it)."""
+        mine = self._rng_state()
+        if self.dist.world_size == 1:
+            return [mine]
+        states: list[Any] = [None] * self.dist.world_size
+        dist.all_gather_object(states, mine)
+        return states
+
+    def _weights_finite(self) -> bool:
+        norm = nn.utils.get_total_norm([p.detach() for p in self.model.parameters()])
+        return bool(torch.isfinite(norm))
+
     def save(self, reason: str = "periodic") -> Path | None:
-        """Write ``checkpoints/step-N`` (main process) and prune to ``keep_last``."""
+        """Write ``checkpoints/step-N`` (main process) and prune to ``keep_last``. Weights that
+        are not all finite are never written (returns None then, and on other processes).
+        Every process must call it (the RNG states are gathered)."""
         self._last_ckpt_time = time.monotonic()
+        if not self._weights_finite():  # the same on every process: DDP keeps weights equal
+            return None
+        state = self._training_state()
         if not self.dist.is_main:
             return None
         path = self.run_dir / "checkpoints" / f"step-{self.state.step:08d}"
         meta = {"step": self.state.step, "epoch": self.state.epoch, "reason": reason,
                 "elapsed_s": round(self.state.elapsed_s, 1), "time": time.time()}
-        save_checkpoint(path, self.model, self.config, self.vocab, meta, self._training_state())
-        for old in list_checkpoints(self.run_dir)[: -self.tc.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        save_checkpoint(path, self.model, self.config, self.vocab, meta, state)
+        prune_checkpoints(self.run_dir, self.tc.keep_last)
         return path
 
     def resume(self, checkpoint: Path) -> None:
@@ -217,7 +252,13 @@ class Trainer:
             elapsed_s=st["elapsed_s"], nonfinite_total=st["nonfinite_total"],
             best_metric=st["best_metric"], evals_since_best=st["evals_since_best"],
             target_tokens=st["target_tokens"])
-        torch.set_rng_state(st["torch_rng"])
+        if "rng" in st:
+            mine = st["rng"][self.dist.rank]
+            torch.set_rng_state(mine["cpu"])
+            if "cuda" in mine and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda"], self.device)
+        else:  # checkpoints of earlier versions kept rank 0's CPU state only
+            torch.set_rng_state(st["torch_rng"])
         self._epoch_batches = None
 
     # --- one update -----------------------------------------------------------------------
@@ -244,7 +285,7 @@ class Trainer:
         self.ddp_model.train()
         batches = [collate(self.train_data, self._next_batch_indices()).to(self.device)
                    for _ in range(self.tc.accum_steps)]
-        tokens = torch.tensor([float(sum(b.tgt_tokens for b in batches))])
+        tokens = torch.tensor([float(sum(b.tgt_tokens for b in batches))], device=self.device)
         if self.dist.world_size > 1:
             dist.all_reduce(tokens)
         global_tokens = float(tokens.item())
@@ -261,7 +302,7 @@ class Trainer:
                 (loss * scale).backward()
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
-        figures = torch.tensor([loss_sum, nll_sum])
+        figures = torch.tensor([loss_sum, nll_sum], device=self.device)
         if self.dist.world_size > 1:
             dist.all_reduce(figures)
         loss_tok, nll_tok = (figures / global_tokens).tolist()
@@ -381,14 +422,25 @@ class Trainer:
         t_prev = time.monotonic()
         try:
             while self.state.step < tc.max_steps:
-                if self._agree(self._stop_signal is not None):
-                    name = signal.Signals(self._stop_signal).name if self._stop_signal else "?"
+                # the main process decides (clocks and signals differ by rank): one broadcast
+                stop, budget, early, due = self._agree(
+                    self._stop_signal is not None,
+                    bool(tc.time_budget_s) and self.state.elapsed_s >= tc.time_budget_s,
+                    bool(tc.early_stopping_patience)
+                    and self.state.evals_since_best >= tc.early_stopping_patience,
+                    bool(tc.checkpoint_every_s)
+                    and time.monotonic() - self._last_ckpt_time >= tc.checkpoint_every_s)
+                if stop:
+                    name = signal.Signals(self._stop_signal).name if self._stop_signal \
+                        else "on the main process"
                     stop_reason = f"signal {name}"
                     break
-                if self._agree(bool(tc.time_budget_s)
-                               and self.state.elapsed_s >= tc.time_budget_s):
-                    stop_reason = "time_budget"
+                if budget or early:
+                    stop_reason = "time_budget" if budget else "early_stopping"
                     break
+                if due:
+                    self.save()
+                    t_prev = time.monotonic()
                 fig = self.train_step()
                 now = time.monotonic()
                 self.state.elapsed_s += now - t_prev
@@ -398,10 +450,17 @@ class Trainer:
                     self.state.nonfinite_total += 1
                     if consecutive_bad > tc.max_nonfinite:
                         path = self.save("nonfinite")
+                        if path is not None:
+                            where = f"the last good state is in {path}"
+                        else:
+                            found = list_checkpoints(self.run_dir)
+                            where = ("the weights are not finite, so no checkpoint was written; "
+                                     + (f"the newest saved one is {found[-1]}" if found
+                                        else "none was saved before"))
                         raise StopTraining(
                             f"{consecutive_bad} non-finite losses in a row at step "
-                            f"{self.state.step}; the last good state is in {path}. Lower the "
-                            "learning rate (train.lr_scale) or enable train.clip_norm.")
+                            f"{self.state.step}; {where}. Lower the learning rate "
+                            "(train.lr_scale) or enable train.clip_norm.")
                     continue
                 consecutive_bad = 0
                 window["tokens"] += fig["tokens"]
@@ -433,14 +492,7 @@ class Trainer:
                 if step % tc.eval_every_steps == 0:
                     last_valid = self._evaluate_and_track()
                     t_prev = time.monotonic()
-                    if tc.early_stopping_patience and \
-                            self.state.evals_since_best >= tc.early_stopping_patience:
-                        stop_reason = "early_stopping"
-                        break
-                due_steps = tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0
-                due_time = tc.checkpoint_every_s and \
-                    time.monotonic() - self._last_ckpt_time >= tc.checkpoint_every_s
-                if self._agree(bool(due_steps or due_time)):
+                if tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0:
                     self.save()
                     t_prev = time.monotonic()
             if self.state.step % tc.eval_every_steps != 0 or not last_valid:
@@ -464,13 +516,15 @@ class Trainer:
             write_json_atomic(self.run_dir / "train_summary.json", summary)
         return summary
 
-    def _agree(self, decision: bool) -> bool:
-        """The main process's decision, shared with all (clocks and signals differ by rank)."""
+    def _agree(self, *decisions: bool) -> tuple[bool, ...]:
+        """The main process's decisions, shared with all in one broadcast on the training
+        device (NCCL reduces and broadcasts only tensors on the GPU)."""
         if self.dist.world_size == 1:
-            return decision
-        flag = torch.tensor([1.0 if decision else 0.0])
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
+            return tuple(bool(d) for d in decisions)
+        flags = torch.tensor([1 if d else 0 for d in decisions], dtype=torch.uint8,
+                             device=self.device)
+        dist.broadcast(flags, src=0)
+        return tuple(bool(f) for f in flags.tolist())
 
     def _evaluate_and_track(self) -> dict[str, float]:
         figures: dict[str, float] = {}
@@ -480,7 +534,8 @@ class Trainer:
             figures["valid_seconds"] = time.monotonic() - t0
             metric = figures.get("valid_bleu", -figures.get("valid_loss", float("inf")))
             s = self.state
-            if s.best_metric is None or metric > s.best_metric:
+            better = math.isfinite(metric) and (s.best_metric is None or metric > s.best_metric)
+            if better and self._weights_finite():
                 s.best_metric = metric
                 s.evals_since_best = 0
                 meta = {"step": s.step, **{k: round(v, 4) for k, v in figures.items()}}
@@ -489,8 +544,5 @@ class Trainer:
                 s.evals_since_best += 1
             self._log({"kind": "valid", "step": s.step, "elapsed_s": round(s.elapsed_s, 2),
                        **figures})
-        if self.dist.world_size > 1:  # share the early-stopping counter
-            t = torch.tensor([float(self.state.evals_since_best)])
-            dist.broadcast(t, src=0)
-            self.state.evals_since_best = int(t.item())
+        # evals_since_best lives on the main process; the next step's flags carry its verdict
         return figures
