@@ -67,8 +67,11 @@ def save_checkpoint(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
-        _st_save_model(model, str(tmp / WEIGHTS),
-                       metadata={"vocab_fingerprint": vocab.fingerprint})
+        try:
+            _st_save_model(model, str(tmp / WEIGHTS),
+                           metadata={"vocab_fingerprint": vocab.fingerprint})
+        except Exception as err:  # safetensors' own error type, e.g. a full disk
+            raise OSError(f"{path}: writing the weights failed ({err})") from None
         (tmp / CONFIG).write_text(config.to_json(), encoding="utf-8")
         vocab.save(tmp)
         meta = {**(meta or {}), "vocab_fingerprint": vocab.fingerprint}
