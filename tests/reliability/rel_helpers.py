@@ -15,7 +15,6 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
 

@@ -375,7 +375,10 @@ def ws(trained_run: Path, tmp_path_factory) -> Path:
     w("garbage.json", "not a tokenizer")
     (ws / "folder").mkdir()
     (ws / "folder" / "notes.txt").write_text("someone's notes\n")
+    shutil.copytree(trained_run.parent / "data", ws / "data")
     good = json.loads((ws / "run" / "config.json").read_text())
+    for key in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
+        good["data"][key] = str(ws / "data" / Path(good["data"][key]).name)
     w("good.json", json.dumps(good))
     # damaged copies
     shutil.copytree(ws / "run", ws / "badrun")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rel_helpers import cli, copy_run, quiet, small_config, tree_hashes, within
+from rel_helpers import cli, copy_run, small_config, tree_hashes, within
 from safetensors.torch import load_file
 
 from aiayn.checkpoint import list_checkpoints, load_checkpoint

@@ -3,7 +3,6 @@ and ``aiayn pipeline``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
