@@ -67,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except (UserError, ValueError, FileNotFoundError) as err:
+    except (UserError, ValueError, OSError) as err:
+        # OSError: a file that cannot be read or written (permissions, a full disk, a folder
+        # where a file belongs); its message names the file.
         if os.environ.get("AIAYN_DEBUG"):
             raise
-        print(f"aiayn {args.command}: error: {err}", file=sys.stderr)
+        text = " ".join(str(err).split("\n"))
+        print(f"aiayn {args.command}: error: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"aiayn {args.command}: interrupted", file=sys.stderr)
