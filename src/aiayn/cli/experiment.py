@@ -16,7 +16,8 @@ HELP = ("Run the paper's experiments: `table3` (Table 3's variations on a corpus
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from aiayn.cli import _HelpFormatter
 
-    sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
+    sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True,
+                           help="table3 or table1")
     t3 = sub.add_parser("table3", formatter_class=_HelpFormatter,
                         help="train every Table 3 variation for the same time; print the table",
                         description="Train each Table 3 row (scaled to --scale's preset) for "

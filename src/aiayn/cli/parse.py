@@ -25,7 +25,8 @@ def _default_treebank() -> str | None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from aiayn.cli import _HelpFormatter
 
-    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True,
+                           help="prepare, train or eval")
     pr = sub.add_parser("prepare", formatter_class=_HelpFormatter,
                         help="read the treebank, split it by file, write linearized pairs",
                         description="Read the .mrg trees with nltk, remove empty elements and "
@@ -121,9 +122,7 @@ def _prepare(args: argparse.Namespace) -> int:
     if not args.treebank:
         raise UserError("no --treebank given and AIAYN_DATA_DIR is not set")
     t0 = time.monotonic()
-    files = read_treebank(args.treebank)
-    if args.max_files:
-        files = dict(list(files.items())[: args.max_files])
+    files = read_treebank(args.treebank, args.max_files)
     split = split_by_file(list(files), args.dev_fraction, args.test_fraction)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

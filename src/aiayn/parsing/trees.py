@@ -30,8 +30,9 @@ CLOSE = ")"
 _FUNCTION_TAG = re.compile(r"^([^-=]+)[-=].*$")
 
 
-def read_treebank(path: str | Path) -> dict[str, list[Tree]]:
-    """The trees of every ``.mrg`` file in the zip (nltk's treebank layout) or folder.
+def read_treebank(path: str | Path, max_files: int = 0) -> dict[str, list[Tree]]:
+    """The trees of every ``.mrg`` file in the zip (nltk's treebank layout) or folder (only
+    the first ``max_files`` in name order when it is not 0).
 
     Returns:
         file id (e.g. ``wsj_0001``) -> its trees, in file order, with the empty top bracket
@@ -53,6 +54,8 @@ def read_treebank(path: str | Path) -> dict[str, list[Tree]]:
     else:
         for p in sorted(path.rglob("*.mrg")):
             files[p.stem] = p.read_text(encoding="utf-8")
+    if max_files:
+        files = dict(list(files.items())[:max_files])
     if not files:
         raise DataError(f"{path}: no .mrg files (expected treebank/combined/wsj_*.mrg)")
     out: dict[str, list[Tree]] = {}
