@@ -14,10 +14,21 @@ from aiayn.parsing.trees import linearize, is_well_formed
 
 
 def test_table3_runs_scores_and_resumes(data_dir, tmp_path, capsys):
+    from aiayn.data.corpus import load_dataset
+
+    files = []
+    for split, k in (("train", 200), ("val", 30)):  # a slice of Multi30k as a "files" corpus
+        pairs = load_dataset("multi30k", split, "en", "de")
+        for side, lines in (("src", pairs.src[:k]), ("tgt", pairs.tgt[:k])):
+            path = tmp_path / f"{split}.{side}"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            files.append(path)
     out = tmp_path / "t3"
-    argv = ["experiment", "table3", "--scale", "tiny", "--rows", "base,C1,R",
-            "--minutes-per-row", "0.02", "--window", "3", "--dev-sentences", "8",
-            "--set", "data.train_limit=200", "--out", str(out), "--no-progress", "--json"]
+    argv = ["experiment", "table3", "--scale", "tiny", "--dataset", "files",
+            "--rows", "base,C1,R", "--minutes-per-row", "0.02", "--window", "3",
+            "--dev-sentences", "8", "--out", str(out), "--no-progress", "--json"]
+    for name, path in zip(("train_src", "train_tgt", "valid_src", "valid_tgt"), files):
+        argv += ["--set", f"data.{name}={path}"]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["row"] for r in rows] == ["base", "C1", "R"]

@@ -195,7 +195,7 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from nltk.tree import Tree
 
-    from aiayn.checkpoint import load_checkpoint, write_json_atomic
+    from aiayn.checkpoint import is_checkpoint, load_checkpoint, write_json_atomic
     from aiayn.data.corpus import read_lines as read_text_lines
     from aiayn.parsing.decode import parse
     from aiayn.parsing.evalb import score_corpus
@@ -236,8 +236,8 @@ def _eval(args: argparse.Namespace) -> int:
     labels = Counter(t.label() for g in golds for t in g.subtrees() if not isinstance(t[0], str))
     baseline = score_corpus(golds, [right_branching(w) for w in sentences])
     out = Path(args.out) if args.out else Path(args.checkpoint)
-    if not out.is_dir():
-        out = out.parent
+    if not args.out and (is_checkpoint(out) or not out.is_dir()):
+        out = out.parent.parent if is_checkpoint(out) else out.parent  # the run folder
     out.mkdir(parents=True, exist_ok=True)
     _write_lines(out / f"{args.split}.parsed", [to_line(t) for t in tests])
     results = {
