@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from nltk.tree import Tree
 
 from aiayn.cli import main
 from aiayn.experiments.table3 import ROW_NAMES
-from aiayn.parsing.trees import linearize, is_well_formed
+from aiayn.parsing.trees import is_well_formed, linearize
 
 
 def test_table3_runs_scores_and_resumes(data_dir, tmp_path, capsys):

@@ -4,9 +4,9 @@ reference, locality of the encoder, and the flat-memory cache against the uncach
 from __future__ import annotations
 
 import pytest
+import reference
 import torch
 
-import reference
 from aiayn.config import ModelConfig
 from aiayn.model import Transformer
 from aiayn.model.transformer import band_mask

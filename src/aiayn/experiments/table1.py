@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -200,9 +201,9 @@ def summarize(records: list[dict[str, Any]], top: int = 4) -> list[dict[str, Any
 
 
 def markdown(summary: list[dict[str, Any]]) -> str:
-    lines = ["| layer type | complexity per layer | sequential operations | maximum path length "
-             "| time exponent in n (measured) | memory exponent in n (measured) |",
-             "|---|---|---|---|---|---|"]
+    head = ("| layer type | complexity per layer | sequential operations | maximum path length "
+            "| time exponent in n (measured) | memory exponent in n (measured) |")
+    lines = [head, "|---|---|---|---|---|---|"]
     for s in summary:
         lines.append(f"| {s['kind']} | {s['complexity']} | {s['sequential_ops']} | "
                      f"{s['path_length']} | {s['time_exponent']:.2f} (paper: "

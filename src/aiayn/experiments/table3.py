@@ -15,8 +15,9 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiayn.config import Config
 

@@ -107,9 +107,9 @@ def parse(model, vocab: Vocabulary, sentences: list[list[str]], *, beam_size: in
 
     A sentence for which search returns nothing gives an empty list; callers repair it.
     """
+    from aiayn.data.batching import pad_sources
     from aiayn.decoding.search import CachedStep, beam_search, greedy_search, max_output_lengths
     from aiayn.decoding.translate import encode_sources
-    from aiayn.data.batching import pad_sources
 
     model.eval()
     device = next(model.parameters()).device
