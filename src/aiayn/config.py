@@ -79,9 +79,12 @@ class ModelConfig:
     norm: str = "post"  # "post": LayerNorm(x + Dropout(Sublayer(x))) as §3.1; "pre" optional
     layer_norm_eps: float = 1e-6
     pad_id: int = 0
+    attention_window: int | None = None  # r of §4's restricted self-attention; None: all
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        if self.attention_window is not None:
+            _positive(self, "attention_window")
         _positive(self, "N", "d_model", "d_ff", "h", "d_k", "d_v", "vocab_size", "max_len")
         _positive(self, "layer_norm_eps")
         _probability(self, "P_drop", "attention_dropout")

@@ -24,6 +24,8 @@ COMMANDS = {
     "evaluate": "aiayn.cli.evaluate",
     "plot": "aiayn.cli.plot",
     "params": "aiayn.cli.params",
+    "experiment": "aiayn.cli.experiment",
+    "parse": "aiayn.cli.parse",
 }
 
 

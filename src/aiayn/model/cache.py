@@ -3,6 +3,8 @@
 For each decoder layer the cache holds the keys and values of decoder self-attention for every
 position decoded so far, and the encoder-decoder keys and values, computed once per source.
 Beam search reorders it along the batch dimension with :meth:`DecoderCache.index_select`.
+Under restricted self-attention (§4, ``attention_window = r``) each layer keeps only the last r
+positions, so its memory stays flat however long the output grows.
 """
 
 from __future__ import annotations
@@ -22,24 +24,38 @@ class DecoderCache:
         cross: per layer, encoder-decoder keys (B, h, S, d_k) and values (B, h, S, d_v).
         src_mask: bool (B, S), True at real source tokens.
         length: t, the positions decoded so far.
+        window: r of restricted self-attention (§4): only the last r positions are kept
+            (t above is then at most r); None keeps all.
     """
 
     self_kv: list[tuple[Tensor, Tensor] | None]
     cross: list[tuple[Tensor, Tensor]]
     src_mask: Tensor
     length: int = 0
+    window: int | None = None
 
     @classmethod
-    def start(cls, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor) -> DecoderCache:
-        return cls(self_kv=[None] * len(cross), cross=cross, src_mask=src_mask)
+    def start(cls, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
+              window: int | None = None) -> DecoderCache:
+        return cls(self_kv=[None] * len(cross), cross=cross, src_mask=src_mask, window=window)
+
+    def cached_len(self, layer: int) -> int:
+        """Positions of ``layer`` held now (the most recent ones; ``length`` when unrestricted)."""
+        kv = self.self_kv[layer]
+        return 0 if kv is None else kv[0].shape[2]
 
     def append_self(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append new keys (B, h, t_new, d_k) and values of ``layer``; return all of them."""
+        """Append new keys (B, h, t_new, d_k) and values of ``layer``; return the ones held
+        before plus the new ones (the keys the new positions may see). With a window r, only
+        the last r are kept afterwards."""
         old = self.self_kv[layer]
         if old is not None:
             k = torch.cat([old[0], k], dim=2)
             v = torch.cat([old[1], v], dim=2)
-        self.self_kv[layer] = (k, v)
+        if self.window is None:
+            self.self_kv[layer] = (k, v)
+        else:
+            self.self_kv[layer] = (k[:, :, -self.window:], v[:, :, -self.window:])
         return k, v
 
     def index_select(self, index: Tensor) -> DecoderCache:
@@ -54,6 +70,7 @@ class DecoderCache:
             cross=[pick(kv) for kv in self.cross],
             src_mask=self.src_mask.index_select(0, index),
             length=self.length,
+            window=self.window,
         )
 
     @property

@@ -6,7 +6,9 @@ d d_model, h heads, d_k / d_v per-head sizes, V vocabulary size.
 Masks are bool and True means "may attend" (the convention of
 ``torch.nn.functional.scaled_dot_product_attention``). The source mask ``src_mask`` has shape
 (B, S) and is True at real tokens, False at padding. Targets are right-padded, so the causal mask
-alone keeps every real target position from seeing padding.
+alone keeps every real target position from seeing padding. Restricted self-attention (§4,
+``ModelConfig.attention_window = r``) adds a band: position i sees positions j with |i - j| <= r
+(and j <= i in the decoder); encoder-decoder attention stays unrestricted.
 """
 
 from __future__ import annotations
@@ -93,6 +95,24 @@ class Dropout(nn.Module):
 
     def extra_repr(self) -> str:
         return f"P_drop={self.P_drop}"
+
+
+def band_mask(q_len: int, k_len: int, window: int | None, *, causal: bool, q_offset: int = 0,
+              k_offset: int = 0, device: torch.device | None = None) -> Tensor:
+    """Self-attention mask of restricted self-attention, §4 (and Table 1's r).
+
+    Query i (absolute position ``q_offset + i``) may attend key j (position ``k_offset + j``)
+    when the two are at most ``window`` apart, and, if ``causal``, the key is not later.
+
+    Returns:
+        bool (q_len, k_len), True = may attend; ``window=None`` gives no band (all, or causal).
+    """
+    q = torch.arange(q_len, device=device)[:, None] + q_offset
+    k = torch.arange(k_len, device=device)[None, :] + k_offset
+    ok = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if window is not None:
+        ok = (q - k).abs() <= window
+    return ok & (k <= q) if causal else ok
 
 
 class MultiHeadAttention(nn.Module):
@@ -241,6 +261,7 @@ class DecoderLayer(nn.Module):
         self.res_self = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
         self.res_cross = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
         self.res_ffn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
+        self.window = cfg.attention_window
 
     def forward(
         self,
@@ -255,19 +276,25 @@ class DecoderLayer(nn.Module):
         Without a cache, T is the whole (shifted) target and attention is causal. With a cache,
         x holds the new positions only; their keys and values are appended to the cache and
         they attend to everything cached (all earlier positions), so nothing is recomputed.
+        With ``attention_window = r`` both paths see only the last r positions and their own.
         """
         y = self.res_self.inner(x)
         kv = self.self_attn.project_kv(y)
-        if cache is None:
+        if cache is None and self.window is None:
             attn = self.self_attn(y, kv, is_causal=True)
+        elif cache is None:
+            T = x.shape[1]
+            attn = self.self_attn(y, kv, band_mask(T, T, self.window, causal=True,
+                                                   device=x.device))
         else:
+            k_offset = cache.length - cache.cached_len(layer)  # first position still cached
             kv = cache.append_self(layer, *kv)
-            causal = None
-            if x.shape[1] > 1:  # several new positions at once: causal among them
-                t_new, t_all = x.shape[1], kv[0].shape[2]
-                causal = torch.ones(t_new, t_all, dtype=torch.bool, device=x.device).tril(
-                    t_all - t_new)
-            attn = self.self_attn(y, kv, causal)
+            mask = None
+            t_new, t_all = x.shape[1], kv[0].shape[2]
+            if t_new > 1 or (self.window is not None and t_all > self.window + 1):
+                mask = band_mask(t_new, t_all, self.window, causal=True, q_offset=cache.length,
+                                 k_offset=k_offset, device=x.device)
+            attn = self.self_attn(y, kv, mask)
         x = self.res_self.outer(x, attn)
         y = self.res_cross.inner(x)
         x = self.res_cross.outer(x, self.cross_attn(y, cross_kv, cross_mask))
@@ -342,6 +369,11 @@ class Transformer(nn.Module):
             src_mask = src != self.config.pad_id
         _check_src_mask(src_mask, src.shape)
         attn_mask = src_mask[:, None, None, :]  # (B, 1, 1, S)
+        if self.config.attention_window is not None:  # §4: a band of width 2r + 1
+            S = src.shape[1]
+            band = band_mask(S, S, self.config.attention_window, causal=False, device=src.device)
+            # each position also sees itself, so a padding row far from any token is not empty
+            attn_mask = attn_mask & band | torch.eye(S, dtype=torch.bool, device=src.device)
         x = self._embed(self.src_embed, src)
         for layer in self.encoder:
             x = layer(x, attn_mask)
@@ -391,7 +423,7 @@ class Transformer(nn.Module):
         """Incremental decoding state for ``memory`` (B, S, d_model): the encoder-decoder keys
         and values of every layer are computed here, once per source."""
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        return DecoderCache.start(cross, src_mask)
+        return DecoderCache.start(cross, src_mask, window=self.config.attention_window)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits for the position after ``tokens``, reusing and extending ``cache``.

@@ -1,0 +1,163 @@
+"""``aiayn experiment``: the paper's experiments as commands — ``table3`` (the model
+variations of §6.2, trained for the same time each) and ``table1`` (§4's per-layer costs,
+measured on this machine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+HELP = ("Run the paper's experiments: `table3` (Table 3's variations on a corpus, equal time "
+        "each) or `table1` (Table 1's layer costs measured, with fitted exponents).")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from aiayn.cli import _HelpFormatter
+
+    sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True,
+                           help="table3 or table1")
+    t3 = sub.add_parser("table3", formatter_class=_HelpFormatter,
+                        help="train every Table 3 variation for the same time; print the table",
+                        description="Train each Table 3 row (scaled to --scale's preset) for "
+                                    "--minutes-per-row, score dev perplexity and dev BLEU (beam "
+                                    "4, alpha 0.6, no averaging) and write table3.md, "
+                                    "table3.json and table3.png. Resumable: rerun the same "
+                                    "command to continue.")
+    t3.add_argument("--dataset", default=None,
+                    help="corpus (multi30k, wmt14-en-de, files); default: the --scale preset's")
+    t3.add_argument("--scale", default="multi30k", metavar="PRESET",
+                    help="the preset playing the paper's base row (base reproduces the "
+                         "paper's rows exactly)")
+    t3.add_argument("--rows", default="all",
+                    help="comma-separated rows among base,A1..A4,B1,B2,C1..C7,D1..D4,E,R "
+                         "(R: restricted self-attention, §4), or all")
+    t3.add_argument("--minutes-per-row", type=float, required=True, metavar="M",
+                    help="training minutes for each row")
+    t3.add_argument("--window", type=int, default=4, metavar="R",
+                    help="r of row R: positions on either side each position attends to")
+    t3.add_argument("--dev-sentences", type=int, default=0, metavar="K",
+                    help="score dev BLEU on the first K dev pairs (0: all); perplexity always "
+                         "uses the whole dev set")
+    t3.add_argument("--out", default="runs/table3", metavar="DIR",
+                    help="output folder (rows/, table3.md, table3.json, table3.png)")
+    t3.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="override a field of the base preset before scaling (repeatable)")
+    t3.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    t3.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t3.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+    t1 = sub.add_parser("table1", formatter_class=_HelpFormatter,
+                        help="measure one layer of each kind of Table 1 against n",
+                        description="Time forward + backward of self-attention, restricted "
+                                    "self-attention, an LSTM and a Conv1d layer at each n; fit "
+                                    "the growth exponents; write table1.md, table1.json and "
+                                    "table1.png (log-log).")
+    t1.add_argument("--n", type=int, nargs="+", default=[2**i for i in range(4, 13)],
+                    metavar="N", help="sequence lengths (default: 16 32 … 4096)")
+    t1.add_argument("--d", type=int, default=512, help="representation size d (d_model)")
+    t1.add_argument("--h", type=int, default=8, help="attention heads")
+    t1.add_argument("--r", type=int, default=16, help="window of restricted self-attention")
+    t1.add_argument("--k", type=int, default=3, help="convolution kernel size")
+    t1.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    t1.add_argument("--max-seconds", type=float, default=60.0, metavar="S",
+                    help="stop growing n for a layer once one of its runs takes longer")
+    t1.add_argument("--fit-top", type=int, default=4, metavar="K",
+                    help="fit the exponent over the K largest n")
+    t1.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    t1.add_argument("--out", default="runs/table1", metavar="DIR",
+                    help="output folder (table1.md, table1.json, table1.png)")
+    t1.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    t1.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    return _table3(args) if args.experiment == "table3" else _table1(args)
+
+
+def _table3(args: argparse.Namespace) -> int:
+    from aiayn.checkpoint import write_json_atomic
+    from aiayn.config import load_config
+    from aiayn.experiments.table3 import markdown_table, parse_rows, plot_bleu, run_table3
+
+    def say(msg: str) -> None:
+        if not args.json:
+            print(msg, flush=True)
+
+    if args.minutes_per_row <= 0:
+        raise ValueError(f"--minutes-per-row must be positive, got {args.minutes_per_row}")
+    if args.window < 1:
+        raise ValueError(f"--window must be >= 1, got {args.window}")
+    rows = parse_rows(args.rows)
+    overrides = list(args.set) + ([f"data.dataset={args.dataset}"] if args.dataset else [])
+    base = load_config(args.scale, overrides)
+    out = Path(args.out)
+    results = run_table3(base, out, rows, minutes_per_row=args.minutes_per_row,
+                         window=args.window, dev_sentences=args.dev_sentences,
+                         device=args.device, progress=not args.no_progress, log=say)
+    k = results[0]["dev_bleu_sentences"] if results else 0
+    title = (f"Table 3 variations on {base.data.dataset} ({base.data.src_lang}->"
+             f"{base.data.tgt_lang}), scaled from preset {args.scale}, {args.minutes_per_row:g} "
+             f"min per row; dev PPL per subword on the whole validation set; dev BLEU "
+             f"(sacreBLEU, cased, detokenized) on its first {k} pairs, beam 4, alpha 0.6, "
+             "no averaging")
+    write_json_atomic(out / "table3.json", {"title": title, "rows": results})
+    table = markdown_table(results, title)
+    tmp = out / "table3.md.tmp"
+    tmp.write_text(table, encoding="utf-8")
+    tmp.replace(out / "table3.md")
+    plot_bleu(results, out / "table3.png",
+              f"{base.data.dataset}, {args.minutes_per_row:g} min/row, scaled from {args.scale}")
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print("\n" + table)
+        print(f"wrote {out / 'table3.md'}, {out / 'table3.json'}, {out / 'table3.png'}")
+    return 0
+
+
+def _table1(args: argparse.Namespace) -> int:
+    import torch
+
+    from aiayn.checkpoint import write_json_atomic
+    from aiayn.experiments.table1 import LAYERS, markdown, measure, plot, summarize
+
+    if args.threads < 1 or args.repeats < 1 or min(args.n) < 1:
+        raise ValueError("--threads, --repeats and every --n must be >= 1")
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records, stopped = [], set()
+    t_start = time.monotonic()
+    for n in sorted(set(args.n)):
+        for kind in LAYERS:
+            if kind in stopped:
+                continue
+            rec = measure(kind, n, args.d, h=args.h, r=args.r, k=args.k, repeats=args.repeats,
+                          device=args.device)
+            records.append(rec)
+            if not args.json:
+                print(f"table1: n={n:5d} {kind:26s} {rec['time_s'] * 1e3:10.2f} ms  "
+                      f"{rec['saved_bytes'] / 2**20:9.1f} MiB saved", flush=True)
+            if rec["time_s"] > args.max_seconds:
+                stopped.add(kind)
+    summary = summarize(records, args.fit_top)
+    meta = {"d": args.d, "h": args.h, "r": args.r, "k": args.k, "threads": args.threads,
+            "device": args.device, "repeats": args.repeats, "fit_top": args.fit_top,
+            "wall_s": round(time.monotonic() - t_start, 1)}
+    write_json_atomic(out / "table1.json", {"settings": meta, "summary": summary,
+                                            "records": records})
+    table = markdown(summary)
+    tmp = out / "table1.md.tmp"
+    tmp.write_text(table, encoding="utf-8")
+    tmp.replace(out / "table1.md")
+    plot(records, summary, out / "table1.png",
+         f"one layer, forward + backward, d={args.d}, h={args.h}, r={args.r}, k={args.k}, "
+         f"{args.threads} thread(s) on {args.device}")
+    if args.json:
+        print(json.dumps({"settings": meta, "summary": summary}))
+    else:
+        print("\n" + table)
+        print(f"wrote {out / 'table1.md'}, {out / 'table1.json'}, {out / 'table1.png'}")
+    return 0

@@ -1,0 +1,262 @@
+"""``aiayn parse``: English constituency parsing as translation (§6.3) on a Penn Treebank —
+``prepare`` (read, split by file, linearize), ``train`` (N = 4, the paper's parsing settings
+scaled down) and ``eval`` (constrained beam search, EVALB-compatible F1, a right-branching
+baseline)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+HELP = ("Constituency parsing as in §6.3: `prepare` a treebank (split by file, linearized "
+        "trees), `train` a 4-layer model, `eval` labelled-bracket F1 (EVALB, COLLINS.prm).")
+SPLITS = ("train", "dev", "test")
+
+
+def _default_treebank() -> str | None:
+    root = os.environ.get("AIAYN_DATA_DIR")
+    return str(Path(root) / "ptb-sample" / "treebank.zip") if root else None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from aiayn.cli import _HelpFormatter
+
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True,
+                           help="prepare, train or eval")
+    pr = sub.add_parser("prepare", formatter_class=_HelpFormatter,
+                        help="read the treebank, split it by file, write linearized pairs",
+                        description="Read the .mrg trees with nltk, remove empty elements and "
+                                    "function tags, split whole files into train/dev/test "
+                                    "(contiguous, the last files test), and write "
+                                    "SPLIT.src (words), SPLIT.tgt (linearized tree), SPLIT.gold "
+                                    "(cleaned trees) and a word-level tokenizer.json.")
+    pr.add_argument("--treebank", default=_default_treebank(), metavar="PATH",
+                    help="treebank.zip or a folder of .mrg files (default: "
+                         "$AIAYN_DATA_DIR/ptb-sample/treebank.zip)")
+    pr.add_argument("--out", default="runs/parse/data", metavar="DIR", help="output folder")
+    pr.add_argument("--dev-fraction", type=float, default=0.1, help="share of files for dev")
+    pr.add_argument("--test-fraction", type=float, default=0.1, help="share of files for test")
+    pr.add_argument("--max-files", type=int, default=0, metavar="K",
+                    help="use only the first K files (smoke runs); 0: all")
+    pr.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    tr = sub.add_parser("train", formatter_class=_HelpFormatter,
+                        help="train a parser on prepared data",
+                        description="Train the `parse` preset (N = 4; beam 21, alpha 0.3, "
+                                    "input + 300 when decoding) on the output of `prepare`.")
+    tr.add_argument("--data", default="runs/parse/data", metavar="DIR",
+                    help="folder written by `aiayn parse prepare`")
+    tr.add_argument("--run-dir", default="runs/parse/model", metavar="DIR", help="run folder")
+    tr.add_argument("--preset", default="parse", help="preset name or config file")
+    tr.add_argument("--minutes", type=float, default=None, metavar="M",
+                    help="training minutes (default: the preset's train.time_budget_s)")
+    tr.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="override a config field (repeatable)")
+    tr.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+    tr.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+    ev = sub.add_parser("eval", formatter_class=_HelpFormatter,
+                        help="parse a split and score labelled-bracket F1",
+                        description="Decode the split with beam search constrained to "
+                                    "well-formed trees, score labelled-bracket precision, "
+                                    "recall and F1 as EVALB does under COLLINS.prm, and score "
+                                    "a right-branching baseline on the same sentences.")
+    ev.add_argument("checkpoint", metavar="CHECKPOINT",
+                    help="a run folder (its newest checkpoint) or a checkpoint folder")
+    ev.add_argument("--data", default="runs/parse/data", metavar="DIR",
+                    help="folder written by `aiayn parse prepare`")
+    ev.add_argument("--split", default="test", choices=("dev", "test"), help="split to parse")
+    ev.add_argument("--beam-size", type=int, default=None,
+                    help="beam size (default: the model's decode.beam_size, 21)")
+    ev.add_argument("--alpha", type=float, default=None,
+                    help="length penalty (default: the model's decode.alpha, 0.3)")
+    ev.add_argument("--limit", type=int, default=0, metavar="K",
+                    help="parse only the first K sentences; 0: all")
+    ev.add_argument("--no-constraints", action="store_true",
+                    help="plain beam search; malformed outputs are then repaired and counted")
+    ev.add_argument("--out", default=None, metavar="DIR",
+                    help="where SPLIT.parsed and SPLIT.results.json go (default: the run dir)")
+    ev.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"prepare": _prepare, "train": _train, "eval": _eval}[args.action](args)
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tmp.replace(path)
+
+
+def word_vocabulary(sources: list[list[str]], targets: list[list[str]]):
+    """A word-level :class:`~aiayn.data.vocab.Vocabulary`: the specials, every tree token and
+    every training word (most frequent first); unseen words become ``<unk>``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from aiayn.data.vocab import SPECIAL_TOKENS, UNK, Vocabulary
+
+    tree_tokens = sorted({t for tgt in targets for t in tgt})
+    words = Counter(w for src in sources for w in src)
+    table: dict[str, int] = {}
+    for tok in [*SPECIAL_TOKENS, *tree_tokens, *(w for w, _ in words.most_common())]:
+        table.setdefault(tok, len(table))
+    tokenizer = Tokenizer(models.WordLevel(table, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Vocabulary(tokenizer, kind="word")
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from aiayn.checkpoint import write_json_atomic
+    from aiayn.errors import UserError
+    from aiayn.parsing.trees import clean, linearize, read_treebank, split_by_file, to_line
+
+    if not args.treebank:
+        raise UserError("no --treebank given and AIAYN_DATA_DIR is not set")
+    t0 = time.monotonic()
+    files = read_treebank(args.treebank, args.max_files)
+    split = split_by_file(list(files), args.dev_fraction, args.test_fraction)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"treebank": str(args.treebank), "files": {}, "sentences": {}, "dropped_empty": 0}
+    pairs = {}
+    for name in SPLITS:
+        src, tgt, gold = [], [], []
+        for file_id in split[name]:
+            for tree in files[file_id]:
+                cleaned = clean(tree)
+                if cleaned is None:
+                    summary["dropped_empty"] += 1
+                    continue
+                words, target = linearize(cleaned)
+                src.append(words)
+                tgt.append(target)
+                gold.append(to_line(cleaned))
+        pairs[name] = (src, tgt)
+        _write_lines(out / f"{name}.src", [" ".join(s) for s in src])
+        _write_lines(out / f"{name}.tgt", [" ".join(t) for t in tgt])
+        _write_lines(out / f"{name}.gold", gold)
+        summary["files"][name] = split[name]
+        summary["sentences"][name] = len(src)
+    vocab = word_vocabulary(*pairs["train"])
+    vocab.save(out)
+    summary["vocabulary"] = len(vocab)
+    write_json_atomic(out / "split.json", summary)
+    counts = summary["sentences"]
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "files"}))
+    else:
+        print(f"aiayn parse prepare: {sum(counts.values())} trees from {len(files)} files in "
+              f"{time.monotonic() - t0:.1f} s -> {out}")
+        for name in SPLITS:
+            ids = split[name]
+            print(f"  {name:5s} {counts[name]:5d} sentences, {len(ids):3d} files "
+                  f"({ids[0]} … {ids[-1]})")
+        print(f"  word-level vocabulary {len(vocab)} tokens; {summary['dropped_empty']} trees "
+              "empty after removing -NONE- dropped")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from aiayn.config import load_config
+    from aiayn.training.run import run_training
+
+    data = Path(args.data)
+    for name in ("train.src", "train.tgt", "dev.src", "dev.tgt", "tokenizer.json"):
+        if not (data / name).is_file():
+            raise FileNotFoundError(f"{data / name} is missing: run `aiayn parse prepare "
+                                    f"--out {data}` first")
+    overrides = [f"data.train_src={data / 'train.src'}", f"data.train_tgt={data / 'train.tgt'}",
+                 f"data.valid_src={data / 'dev.src'}", f"data.valid_tgt={data / 'dev.tgt'}",
+                 *args.set]
+    if args.minutes is not None:
+        overrides.append(f"train.time_budget_s={args.minutes * 60}")
+    config = None if args.resume else load_config(args.preset, overrides)
+    summary = run_training(config, args.run_dir, vocab_path=data, resume=args.resume,
+                           overrides=overrides if args.resume else None, device=args.device,
+                           progress=not args.no_progress,
+                           log=lambda msg: None if args.json else print(msg, flush=True))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print("aiayn parse train: " + ", ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from nltk.tree import Tree
+
+    from aiayn.checkpoint import is_checkpoint, load_checkpoint, write_json_atomic
+    from aiayn.data.corpus import read_lines as read_text_lines
+    from aiayn.parsing.decode import parse
+    from aiayn.parsing.evalb import score_corpus
+    from aiayn.parsing.trees import delinearize, is_well_formed, repair, right_branching, to_line
+
+    data = Path(args.data)
+    src_path, gold_path = data / f"{args.split}.src", data / f"{args.split}.gold"
+    for path in (src_path, gold_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: run `aiayn parse prepare --out {data}`")
+    sentences = [line.split() for line in read_text_lines(src_path)]
+    golds = []
+    for i, line in enumerate(read_text_lines(gold_path), 1):
+        try:
+            golds.append(Tree.fromstring(line))
+        except ValueError as err:
+            raise ValueError(f"{gold_path}, line {i}: not a tree ({err})") from None
+    if len(golds) != len(sentences):
+        raise ValueError(f"{src_path} has {len(sentences)} lines but {gold_path} {len(golds)}")
+    if args.limit:
+        sentences, golds = sentences[: args.limit], golds[: args.limit]
+    model, config, vocab = load_checkpoint(args.checkpoint, args.device or "cpu")
+    beam = args.beam_size or config.decode.beam_size
+    alpha = config.decode.alpha if args.alpha is None else args.alpha
+    t0 = time.monotonic()
+    targets = parse(model, vocab, sentences, beam_size=beam, alpha=alpha,
+                    max_len_b=config.decode.max_len_b, batch_size=config.decode.batch_size,
+                    constrained=not args.no_constraints,
+                    progress=not args.no_progress and not args.json)
+    decode_s = time.monotonic() - t0
+    repaired, tests = 0, []
+    for words, target in zip(sentences, targets):
+        if not is_well_formed(target, len(words)):
+            target = repair(target, len(words))
+            repaired += 1
+        tests.append(delinearize(target, words))
+    model_score = score_corpus(golds, tests)
+    labels = Counter(t.label() for g in golds for t in g.subtrees() if not isinstance(t[0], str))
+    baseline = score_corpus(golds, [right_branching(w) for w in sentences])
+    out = Path(args.out) if args.out else Path(args.checkpoint)
+    if not args.out and (is_checkpoint(out) or not out.is_dir()):
+        out = out.parent.parent if is_checkpoint(out) else out.parent  # the run folder
+    out.mkdir(parents=True, exist_ok=True)
+    _write_lines(out / f"{args.split}.parsed", [to_line(t) for t in tests])
+    results = {
+        "split": args.split, "sentences": len(sentences), "beam_size": beam, "alpha": alpha,
+        "max_len": f"input + {config.decode.max_len_b}", "constrained": not args.no_constraints,
+        "repaired": repaired, "decode_wall_s": round(decode_s, 1),
+        "model": model_score.to_dict(), "right_branching": baseline.to_dict(),
+        "scorer": "EVALB-compatible (COLLINS.prm rules), brackets read with PYEVALB",
+        "gold_label_counts": dict(labels.most_common(5)),
+    }
+    write_json_atomic(out / f"{args.split}.results.json", results)
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print(f"aiayn parse eval: {len(sentences)} {args.split} sentences, beam {beam}, alpha "
+          f"{alpha}, {'constrained' if not args.no_constraints else 'unconstrained'} decoding "
+          f"in {decode_s:.0f} s; {repaired} output(s) repaired")
+    print("  labelled brackets (EVALB, COLLINS.prm)   precision  recall     F1")
+    for name, s in (("model", model_score), ("right-branching baseline", baseline)):
+        print(f"  {name:40s} {s.precision:8.2f} {s.recall:7.2f} {s.f1:7.2f}")
+    print(f"  wrote {out / (args.split + '.parsed')} and {out / (args.split + '.results.json')}")
+    return 0

@@ -1,0 +1,112 @@
+"""`aiayn experiment table3|table1` and `aiayn parse prepare|train|eval`, end to end on tiny
+slices of the real corpora."""
+
+from __future__ import annotations
+
+import json
+
+from nltk.tree import Tree
+
+from aiayn.cli import main
+from aiayn.experiments.table3 import ROW_NAMES
+from aiayn.parsing.trees import is_well_formed, linearize
+
+
+def test_table3_runs_scores_and_resumes(data_dir, tmp_path, capsys):
+    from aiayn.data.corpus import load_dataset
+
+    files = []
+    for split, k in (("train", 200), ("val", 30)):  # a slice of Multi30k as a "files" corpus
+        pairs = load_dataset("multi30k", split, "en", "de")
+        for side, lines in (("src", pairs.src[:k]), ("tgt", pairs.tgt[:k])):
+            path = tmp_path / f"{split}.{side}"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            files.append(path)
+    out = tmp_path / "t3"
+    argv = ["experiment", "table3", "--scale", "tiny", "--dataset", "files",
+            "--rows", "base,C1,R", "--minutes-per-row", "0.02", "--window", "3",
+            "--dev-sentences", "8", "--out", str(out), "--no-progress", "--json"]
+    for name, path in zip(("train_src", "train_tgt", "valid_src", "valid_tgt"), files):
+        argv += ["--set", f"data.{name}={path}"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["row"] for r in rows] == ["base", "C1", "R"]
+    assert rows[1]["N"] == 1 and rows[0]["N"] == 2  # tiny's N = 2, scaled by 2/6
+    assert rows[2]["attention_window"] == 3 and rows[0]["attention_window"] is None
+    for r in rows:
+        assert r["steps"] > 0 and r["dev_ppl"] > 1 and 0 <= r["dev_bleu"] <= 100
+        assert r["dev_bleu_sentences"] == 8 and r["parameters"] > 0
+    assert rows[1]["parameters"] < rows[0]["parameters"]
+    table = (out / "table3.md").read_text()
+    assert "| C1 | 1 |" in table and (out / "table3.png").stat().st_size > 1000
+    assert json.loads((out / "table3.json").read_text())["rows"] == rows
+
+    # finished rows are kept; an interrupted one (checkpoint, no row.json) continues
+    done = (out / "rows" / "base" / "row.json").read_text()
+    (out / "rows" / "C1" / "row.json").unlink()
+    assert main([a for a in argv if a != "--json"]) == 0
+    log = capsys.readouterr().out
+    assert "row base done before, kept" in log and "row C1 (resuming)" in log
+    assert (out / "rows" / "base" / "row.json").read_text() == done
+    assert (out / "rows" / "C1" / "row.json").is_file()
+
+
+def test_table3_rejects_unknown_rows(tmp_path, capsys):
+    assert main(["experiment", "table3", "--rows", "base,Q", "--minutes-per-row", "1",
+                 "--out", str(tmp_path)]) == 2
+    assert "unknown Table 3 row" in capsys.readouterr().err
+    assert "R" in ROW_NAMES
+
+
+def test_table1_measures_fits_and_plots(tmp_path, capsys):
+    out = tmp_path / "t1"
+    assert main(["experiment", "table1", "--n", "8", "16", "32", "--d", "16", "--h", "2",
+                 "--r", "2", "--repeats", "1", "--out", str(out), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    kinds = [s["kind"] for s in result["summary"]]
+    assert kinds == ["self-attention", "restricted self-attention", "recurrent",
+                     "convolutional"]
+    saved = json.loads((out / "table1.json").read_text())
+    assert len(saved["records"]) == 12
+    assert {r["sequential_ops"] for r in saved["records"] if r["kind"] == "recurrent"} == \
+        {8, 16, 32}
+    assert "O(n²·d)" in (out / "table1.md").read_text()
+    assert (out / "table1.png").stat().st_size > 1000
+
+
+def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
+    data, run = tmp_path / "data", tmp_path / "run"
+    assert main(["parse", "prepare", "--treebank",
+                 str(data_dir / "ptb-sample" / "treebank.zip"), "--out", str(data),
+                 "--max-files", "12", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["sentences"]["test"] > 0 and summary["sentences"]["dev"] > 0
+    split = json.loads((data / "split.json").read_text())["files"]
+    assert not set(split["test"]) & (set(split["train"]) | set(split["dev"]))
+    for line_src, line_tgt in zip((data / "train.src").read_text().splitlines(),
+                                  (data / "train.tgt").read_text().splitlines()):
+        assert is_well_formed(line_tgt.split(), len(line_src.split()))
+
+    assert main(["parse", "train", "--data", str(data), "--run-dir", str(run),
+                 "--minutes", "0.03", "--set", "model.N=1", "--set", "model.d_model=32",
+                 "--set", "model.d_ff=64", "--set", "model.d_k=8", "--set", "model.d_v=8",
+                 "--no-progress", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["steps"] > 0
+
+    assert main(["parse", "eval", str(run), "--data", str(data), "--beam-size", "3",
+                 "--limit", "6", "--no-progress", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["sentences"] == 6 and res["repaired"] == 0 and res["constrained"]
+    assert 0 <= res["model"]["f1"] <= 100 and res["right_branching"]["f1"] > 0
+    assert res["right_branching"]["gold_brackets"] == res["model"]["gold_brackets"] > 0
+    words = [line.split() for line in (data / "test.src").read_text().splitlines()][:6]
+    parsed = (run / "test.parsed").read_text().splitlines()
+    for w, line in zip(words, parsed, strict=True):
+        tree = Tree.fromstring(line)
+        assert tree.leaves() == w
+        assert is_well_formed(linearize(tree)[1], len(w))
+
+
+def test_parse_eval_names_missing_data(tmp_path, capsys):
+    assert main(["parse", "eval", str(tmp_path), "--data", str(tmp_path / "nope")]) == 2
+    assert "aiayn parse prepare" in capsys.readouterr().err

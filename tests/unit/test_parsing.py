@@ -1,0 +1,175 @@
+"""Parsing (§6.3): linearization round trips on every tree of the PTB sample, well-formed
+outputs from repair and from constrained decoding, the split by file, and EVALB's rules on
+hand-computed cases."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from nltk.tree import Tree
+
+from aiayn.cli.parse import word_vocabulary
+from aiayn.config import ModelConfig
+from aiayn.model import Transformer
+from aiayn.parsing.decode import parse
+from aiayn.parsing.evalb import score_corpus, score_pair
+from aiayn.parsing.trees import (
+    CLOSE,
+    PLACEHOLDER,
+    clean,
+    delinearize,
+    is_well_formed,
+    linearize,
+    read_treebank,
+    repair,
+    right_branching,
+    split_by_file,
+)
+
+T = Tree.fromstring
+
+
+@pytest.fixture(scope="module")
+def treebank(data_dir: Path) -> dict[str, list[Tree]]:
+    path = data_dir / "ptb-sample" / "treebank.zip"
+    if not path.is_file():
+        pytest.skip(f"no {path}")
+    return read_treebank(path)
+
+
+def test_linearization_round_trips_on_every_tree_of_the_sample(treebank):
+    n = 0
+    for trees in treebank.values():
+        for tree in trees:
+            cleaned = clean(tree)
+            words, target = linearize(cleaned)
+            assert is_well_formed(target, len(words))
+            back = delinearize(target, words)
+            assert back.leaves() == words == cleaned.leaves()
+            assert linearize(back) == (words, target)
+            if n % 50 == 0:  # the brackets are the tree's: same labels, same spans
+                assert score_pair(cleaned, back).f1 == 100.0
+            n += 1
+    assert n == 3914
+
+
+def test_clean_removes_empty_elements_and_function_tags():
+    tree = T("(S (NP-SBJ-1 (-NONE- *-2)) (NP-SBJ (NNP John)) (VP (VBD ran) (NP (-NONE- *T*))) "
+             "(. .))")
+    assert clean(tree) == T("(S (NP (NNP John)) (VP (VBD ran)) (. .))")
+    words, target = linearize(clean(tree))
+    assert words == ["John", "ran", "."]
+    assert target == ["(S", "(NP", "XX", ")", "(VP", "XX", ")", "XX", ")"]
+
+
+def test_split_is_by_whole_file_and_contiguous(treebank):
+    split = split_by_file(list(treebank))
+    assert sorted(split["train"] + split["dev"] + split["test"]) == sorted(treebank)
+    assert not set(split["dev"]) & set(split["test"])
+    assert not set(split["train"]) & (set(split["dev"]) | set(split["test"]))
+    assert max(split["train"]) < min(split["dev"]) and max(split["dev"]) < min(split["test"])
+    with pytest.raises(ValueError):
+        split_by_file(["a", "b"])
+
+
+def test_well_formedness_rules():
+    assert is_well_formed(["(S", "XX", ")"], 1)
+    assert not is_well_formed(["(S", "XX", ")"], 2)  # a word missing
+    assert not is_well_formed(["(S", "(NP", ")", "XX", ")"], 1)  # empty constituent
+    assert not is_well_formed(["(S", "XX", ")", "(S", "XX", ")"], 2)  # two roots
+    assert not is_well_formed(["(S", "XX"], 1)  # unbalanced
+    assert not is_well_formed(["XX"], 1)  # no bracket
+    assert not is_well_formed(["(S", "dog", ")"], 1)  # a stray token
+
+
+def test_repair_always_gives_a_well_formed_tree():
+    rng = random.Random(0)
+    pool = ["(S", "(NP", "(VP", CLOSE, PLACEHOLDER, "<unk>"]
+    for _ in range(3000):
+        n = rng.randint(1, 8)
+        target = [rng.choice(pool) for _ in range(rng.randint(0, 20))]
+        fixed = repair(target, n)
+        assert is_well_formed(fixed, n), (target, fixed)
+    good = ["(S", "(NP", "XX", ")", "XX", ")"]
+    assert repair(good, 2) == good
+
+
+def test_constrained_decoding_of_an_untrained_model_is_always_well_formed():
+    sentences = [["the", "cat", "sat"], ["dogs", "bark", "."], ["a"], ["x"] * 9]
+    targets = [linearize(T("(S (NP (DT the) (NN cat)) (VP (VBD sat)))"))[1],
+               linearize(T("(S (NP (NNS dogs)) (VP (VBP bark)) (. .))"))[1]]
+    vocab = word_vocabulary(sentences, targets)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(N=1, d_model=16, d_ff=32, h=2, d_k=8, d_v=8, P_drop=0.0,
+                                    vocab_size=len(vocab), max_len=64)).eval()
+    for beam in (1, 3):
+        out = parse(model, vocab, sentences, beam_size=beam, alpha=0.3, max_len_b=12)
+        for words, target in zip(sentences, out):
+            assert is_well_formed(target, len(words)), (beam, words, target)
+            assert delinearize(target, words).leaves() == words
+    # without constraints the same model does not produce trees
+    raw = parse(model, vocab, sentences, beam_size=3, max_len_b=12, constrained=False)
+    assert not all(is_well_formed(t, len(w)) for w, t in zip(sentences, raw))
+
+
+# --- EVALB under COLLINS.prm, counted by hand ---------------------------------------------
+
+def test_evalb_identical_trees():
+    g = T("(S (NP (DT the) (NN cat)) (VP (VBD sat)) (. .))")
+    s = score_pair(g, g)
+    assert (s.matched, s.gold, s.test, s.f1) == (3, 3, 3, 100.0)
+
+
+def test_evalb_hand_computed_precision_and_recall():
+    # gold brackets (punctuation deleted, words 0-2): S(0,3) NP(0,2) VP(2,3)
+    # test: S(0,3) NP(0,1) VP(1,3) ADJP(1,2)  -> 1 match of 3 gold, 4 test
+    g = T("(S (NP (DT the) (NN cat)) (VP (VBD sat)) (. .))")
+    t = T("(S (NP (DT the)) (VP (ADJP (NN cat)) (VBD sat)) (. .))")
+    s = score_pair(g, t)
+    assert (s.matched, s.gold, s.test) == (1, 3, 4)
+    assert s.precision == pytest.approx(25.0) and s.recall == pytest.approx(100 / 3)
+    assert s.f1 == pytest.approx(2 * 25 * (100 / 3) / (25 + 100 / 3))
+
+
+def test_evalb_ignores_punctuation_attachment_by_the_gold_tags():
+    g = T("(S (NP (PRP it)) (VP (VBZ is) (ADJP (JJ odd))) (. .))")
+    t = T("(S (NP (XX it)) (VP (XX is) (ADJP (XX odd)) (XX .)))")  # "." inside the VP
+    assert score_pair(g, t).f1 == 100.0
+    # a bracket over punctuation only disappears: (S , ...) has no extra bracket
+    g2 = T("(S (NP (NN x)) (PRN (, ,) (: --)) (VP (VBD y)))")
+    s = score_pair(g2, T("(S (NP (XX x)) (XX ,) (XX --) (VP (XX y)))"))
+    assert (s.gold, s.test, s.matched) == (3, 3, 3)
+
+
+def test_evalb_advp_equals_prt_and_labels_matter():
+    g = T("(S (NP (PRP I)) (VP (VB give) (PRT (RP up))))")
+    assert score_pair(g, T("(S (NP (PRP I)) (VP (VB give) (ADVP (RP up))))")).f1 == 100.0
+    s = score_pair(g, T("(S (NP (PRP I)) (VP (VB give) (PP (RP up))))"))
+    assert (s.matched, s.gold) == (3, 4)
+    assert score_pair(g, T("(S (NP (PRP I)) (VP (VB give) (PP (RP up))))"),
+                      labeled=False).f1 == 100.0
+
+
+def test_evalb_counts_brackets_as_a_multiset():
+    g = T("(S (NP (NP (NN x))) (VP (VBD y)))")  # NP(0,1) twice
+    s = score_pair(g, T("(S (NP (NN x)) (VP (VBD y)))"))
+    assert (s.matched, s.gold, s.test) == (3, 4, 3)
+    assert s.precision == 100.0 and s.recall == 75.0
+
+
+def test_evalb_corpus_totals_and_word_mismatch():
+    g = [T("(S (NP (NN a)) (VP (VB b)))"), T("(S (NP (NN c)) (VP (VB d)))")]
+    t = [g[0], T("(S (VP (NN c) (VB d)))")]
+    total = score_corpus(g, t)
+    assert (total.matched, total.gold, total.test, total.sentences, total.exact) == (4, 6, 5, 2, 1)
+    with pytest.raises(ValueError, match="sentence 1"):
+        score_corpus([g[0]], [T("(S (NP (NN z)) (VP (VB b)))")])
+
+
+def test_right_branching_baseline_shape():
+    tree = right_branching(["a", "b", "c", "d"])
+    assert tree == T("(S (XX a) (NP (XX b) (NP (XX c) (XX d))))")
+    assert right_branching(["a"]).leaves() == ["a"]
