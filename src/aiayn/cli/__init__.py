@@ -22,6 +22,7 @@ COMMANDS = {
     "evaluate": "aiayn.cli.evaluate",
     "plot": "aiayn.cli.plot",
     "params": "aiayn.cli.params",
+    "convert": "aiayn.cli.convert",
 }
 
 

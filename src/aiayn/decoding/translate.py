@@ -94,6 +94,7 @@ def translate_nbest(
     bf16: bool = False,
     use_cache: bool = True,
     min_len: int = 0,
+    beam_rules: str = "t2t",
     long_inputs: str = "truncate",
     warn: Callable[[str], None] | None = None,
     progress: bool = False,
@@ -112,6 +113,7 @@ def translate_nbest(
         bf16: run the model under ``torch.autocast(dtype=torch.bfloat16)``.
         use_cache: False reruns the decoder over the whole prefix each step (benchmarks).
         min_len: ban EOS before this many tokens (benchmarks fix output lengths with it).
+        beam_rules: "t2t" or "hf"; see :func:`~aiayn.decoding.search.beam_search`'s ``rules``.
         long_inputs: "truncate" (warn) or "error"; see :func:`encode_sources`.
         progress: show a tqdm bar (sentences) on stderr.
 
@@ -128,13 +130,14 @@ def translate_nbest(
     try:
         return _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b,
                           batch_size, nbest, sampling, bf16, use_cache, min_len, long_inputs,
-                          warn, progress)
+                          warn, progress, beam_rules)
     finally:
         model.train(was_training)
 
 
 def _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batch_size, nbest,
-               sampling, bf16, use_cache, min_len, long_inputs, warn, progress):
+               sampling, bf16, use_cache, min_len, long_inputs, warn, progress,
+               beam_rules="t2t"):
     device = next(model.parameters()).device
     max_len = model.config.max_len
     sources = encode_sources(vocab, lines, max_len, long_inputs=long_inputs, warn=warn)
@@ -161,7 +164,7 @@ def _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batc
                                                    sampling=sampling)]
             else:
                 hyps = beam_search(step, max_lens, beam_size=beam_size, alpha=alpha,
-                                   nbest=nbest, min_len=min_len)
+                                   nbest=nbest, min_len=min_len, rules=beam_rules)
             for i, hs in zip(chunk, hyps):
                 results[i] = [_to_translation(vocab, h) for h in hs]
             if bar is not None:
