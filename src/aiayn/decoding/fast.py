@@ -139,7 +139,8 @@ class FastDecoder(nn.Module):
         B, S, _ = memory.shape
         cross = []
         for layer in self.layers:
-            k = layer.cross_W_k(memory).view(B, S, layer.h, layer.d_k).transpose(1, 2)
+            # keys stored transposed, (B, h, d_k, S), so no step copies them for Q K^T
+            k = layer.cross_W_k(memory).view(B, S, layer.h, layer.d_k).permute(0, 2, 3, 1)
             v = layer.cross_W_v(memory).view(B, S, layer.h, layer.d_v).transpose(1, 2)
             cross.append((k.contiguous(), v.contiguous()))
         mask = src_mask[:, None, None, :]
@@ -151,7 +152,7 @@ class FastDecoder(nn.Module):
 
 @dataclass
 class _State:
-    cross: list[tuple[Tensor, Tensor]]  # per layer (B', h, S, d_k|d_v), one row per sentence
+    cross: list[tuple[Tensor, Tensor]]  # per layer keys (B', h, d_k, S), values (B', h, S, d_v)
     cross_mask: Tensor  # (B', 1, 1, S) bool
     cross_bias: Tensor  # (B', 1, 1, S) 0 where cross_mask, else -inf
     self_k: list[Tensor] | None  # per layer (n, h, T_max, d_k), filled up to t
@@ -161,13 +162,13 @@ class _State:
     max_steps: int
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
+def _attend(q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor | None) -> Tensor:
     """Eq. 1 with explicit matrix products. For one or a few queries per row these beat the
     CPU flash-attention kernel of ``F.scaled_dot_product_attention`` in fp32 (2.2 against 3.3
     ms alone for 128 rows, 8 heads, 13 keys) and, inside the decoder, in bf16 too (a profile of
     base beam-4: 2.3 ms per call against 6.2). bias: additive, 0 or -inf, broadcastable to
-    (B, h, Tq, Tk). Returns (B, h, Tq, d_v)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    (B, h, Tq, Tk); k_t: keys transposed, (B, h, d_k, Tk). Returns (B, h, Tq, d_v)."""
+    scores = torch.matmul(q, k_t) * (q.shape[-1] ** -0.5)
     if bias is not None:
         scores = scores + bias
     return torch.matmul(torch.softmax(scores, dim=-1), v)
@@ -205,7 +206,8 @@ class FastStep:
             q, k, v = L.self_qkv(y)
             st.self_k[i][:, :, t : t + 1] = k
             st.self_v[i][:, :, t : t + 1] = v
-            a = _attend(q, st.self_k[i][:, :, : t + 1], st.self_v[i][:, :, : t + 1], None)
+            a = _attend(q, st.self_k[i][:, :, : t + 1].transpose(-1, -2),
+                        st.self_v[i][:, :, : t + 1], None)
             a = L.W_o(a.transpose(1, 2).reshape(n, 1, L.h * L.d_v))
             x = x + a if L.pre_norm else L.norm_self(x + a)
             y = L.norm_cross(x) if L.pre_norm else x
