@@ -9,41 +9,45 @@
     CKPT/training_state.pt    optimizer, schedule, RNGs, data position (training checkpoints only;
                               tensors and plain containers, loaded with weights_only=True)
 
-A checkpoint is written into ``CKPT.tmp-*`` and renamed into place, so a killed write never
-leaves a partial directory under the final name.
+A checkpoint is written into ``.CKPT.tmp-*`` and renamed into place, so a killed write never
+leaves a partial directory under the final name. Replacing an existing checkpoint (``best/``,
+a re-saved step) renames the finished copy to ``.CKPT.new-*`` first, then the old one to
+``.CKPT.old-*``, then the new one into place: a kill between the renames leaves a complete
+checkpoint under a hidden name, and :func:`recover_run_dir` (run when training starts) puts it
+back. Pruning renames ``step-N`` to ``.step-N.del-*`` before deleting it, so a kill during a
+prune never leaves a half-deleted ``step-N``. The vocabulary's fingerprint is also stored in
+the safetensors header, so it travels with the weights even without ``meta.json``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_model as _st_load_model
 from safetensors.torch import save_model as _st_save_model
 
 from aiayn.config import Config
 from aiayn.data.vocab import Vocabulary
 from aiayn.errors import UserError
+from aiayn.fileio import fsync_dir, write_json_atomic
 from aiayn.model import Transformer
+
+__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "list_checkpoints",
+           "prune_checkpoints", "recover_run_dir", "read_meta", "load_training_state",
+           "weights_fingerprint", "write_json_atomic"]
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 META = "meta.json"
 STATE = "training_state.pt"
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def save_checkpoint(
@@ -63,7 +67,11 @@ def save_checkpoint(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
-        _st_save_model(model, str(tmp / WEIGHTS))
+        try:
+            _st_save_model(model, str(tmp / WEIGHTS),
+                           metadata={"vocab_fingerprint": vocab.fingerprint})
+        except Exception as err:  # safetensors' own error type, e.g. a full disk
+            raise OSError(f"{path}: writing the weights failed ({err})") from None
         (tmp / CONFIG).write_text(config.to_json(), encoding="utf-8")
         vocab.save(tmp)
         meta = {**(meta or {}), "vocab_fingerprint": vocab.fingerprint}
@@ -74,16 +82,87 @@ def save_checkpoint(
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if path.exists():
+            new = path.with_name(f".{path.name}.new-{os.getpid()}")
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(tmp, new)  # complete: recover_run_dir may use it from here on
+            tmp = new
             os.replace(path, old)
-            os.replace(tmp, path)
+            os.replace(new, path)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists() and tmp != path:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+_HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|new|old|del)-[^.]+$")
+
+
+def recover_run_dir(run_dir: str | Path) -> list[str]:
+    """Undo what kills can leave in a run directory (call before training starts).
+
+    A checkpoint (``best``, ``averaged``, ``step-N``) missing under its name but complete under
+    ``.NAME.new-*`` (preferred) or ``.NAME.old-*`` is renamed back. Then unfinished writes
+    (``.NAME.tmp-*``), leftovers of swaps and prunes, and ``checkpoints/step-N`` folders that
+    are not complete training checkpoints are deleted: all of them are names this module
+    creates. Returns what was done, one line each.
+    """
+    done: list[str] = []
+    run_dir = Path(run_dir)
+    for folder in (run_dir, run_dir / "checkpoints"):
+        if not folder.is_dir():
+            continue
+        hidden = sorted(p for p in folder.iterdir() if _HIDDEN.match(p.name))
+        for kind in ("new", "old"):
+            for p in hidden:
+                m = _HIDDEN.match(p.name)
+                target = folder / m["name"]
+                if m["kind"] == kind and p.exists() and not target.exists() \
+                        and is_checkpoint(p):
+                    os.replace(p, target)
+                    done.append(f"restored {target} from {p.name}")
+        for p in hidden:
+            if p.exists():
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+                done.append(f"removed {p}")
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir():
+        for p in ckpts.iterdir():
+            if re.fullmatch(r"step-\d+", p.name) and not (is_checkpoint(p)
+                                                          and (p / STATE).is_file()):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
+                done.append(f"removed the incomplete {p}")
+    if done:
+        fsync_dir(run_dir)
+    return done
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` step checkpoints; each is first renamed to
+    ``.step-N.del-PID`` so that no half-deleted ``step-N`` can be seen. Returns the pruned."""
+    pruned = list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []
+    for old in pruned:
+        doomed = old.with_name(f".{old.name}.del-{os.getpid()}")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return pruned
+
+
+def weights_fingerprint(path: str | Path) -> str | None:
+    """The vocabulary fingerprint stored in a ``model.safetensors`` header (None if absent).
+
+    Raises:
+        UserError: the file is not a readable safetensors file (truncated, corrupt).
+    """
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("vocab_fingerprint")
+    except Exception as err:  # safetensors raises its own error type
+        raise UserError(f"{path}: not a readable safetensors file ({err})") from None
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -134,11 +213,12 @@ def load_checkpoint(
             fingerprint in ``meta.json``), or the weights do not fit the config.
     """
     path = resolve_checkpoint(path)
-    config = Config.from_dict(json.loads((path / CONFIG).read_text(encoding="utf-8")),
-                              source=str(path / CONFIG))
+    from aiayn.config import read_json_object
+
+    config = Config.from_dict(read_json_object(path / CONFIG), source=str(path / CONFIG))
     vocab = Vocabulary.load(path)
-    vocab.check_matches(config.model.vocab_size, read_meta(path).get("vocab_fingerprint"),
-                        where=str(path))
+    fingerprint = weights_fingerprint(path / WEIGHTS) or read_meta(path).get("vocab_fingerprint")
+    vocab.check_matches(config.model.vocab_size, fingerprint, where=str(path))
     model = Transformer(config.model)
     try:
         missing, unexpected = _st_load_model(model, str(path / WEIGHTS), strict=False)
@@ -171,5 +251,13 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def load_training_state(path: str | Path) -> dict[str, Any]:
-    """The training state of a checkpoint, loaded with ``weights_only=True`` (no pickle code)."""
-    return torch.load(Path(path) / STATE, map_location="cpu", weights_only=True)
+    """The training state of a checkpoint, loaded with ``weights_only=True`` (no pickle code).
+
+    Raises:
+        UserError: the file is missing or unreadable (the message names it).
+    """
+    file = Path(path) / STATE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError...
+        raise UserError(f"{file}: cannot load the training state ({err})") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -279,6 +280,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         return float(value)
     if base is int and isinstance(value, bool) or not isinstance(value, base):
         raise ValueError(f"{where} must be {getattr(base, '__name__', base)}, got {value!r}")
+    if base is float and not math.isfinite(value):
+        raise ValueError(f"{where} must be a finite number, got {value!r}")
     return value
 
 
@@ -309,10 +312,26 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in PRESET_DIR.iterdir() if p.name.endswith(".toml"))
 
 
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path``.
+
+    Raises:
+        ValueError: the file is not UTF-8 JSON, or holds something other than an object (the
+            message names the file, and the line and column of a syntax error).
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
 def _read_toml(path: Path | Any, depth: int = 0) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as err:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path}: not valid TOML: {err}") from None
     parent = data.pop("extends", None)
     if parent is None:
@@ -340,7 +359,7 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> Config
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
         if path.suffix == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = read_json_object(path)
         else:
             data = _read_toml(path)
         data.setdefault("name", path.stem)

@@ -224,10 +224,10 @@ def test_nonfinite_losses_stop_the_run_with_a_checkpoint(tmp_path: Path) -> None
                       progress=False)
     with torch.no_grad():
         trainer.model.encoder[0].ffn.W_1.weight[0, 0] = float("nan")
-    with pytest.raises(StopTraining, match="4 non-finite losses in a row"):
+    with pytest.raises(StopTraining, match="4 non-finite losses in a row.*no checkpoint"):
         trainer.fit()
     assert trainer.state.step == 0 and trainer.state.nonfinite_total == 4
-    assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-00000000"]
+    assert list_checkpoints(tmp_path / "run") == []  # NaN weights are never saved
 
 
 # --- processes: signals, killed writes, torchrun -------------------------------------------------
@@ -305,13 +305,26 @@ def test_a_killed_checkpoint_write_is_never_loaded(tmp_path: Path) -> None:
     assert all(p not in list_checkpoints(run_dir) for p in leftovers)
 
 
+def _resume_copy(run: Path, dest: Path, step: int) -> Path:
+    """A copy of ``run`` as it was at its checkpoint ``step`` (later checkpoints removed)."""
+    import shutil
+
+    shutil.copytree(run, dest)
+    for path in list_checkpoints(dest):
+        if int(path.name.split("-")[1]) > step:
+            shutil.rmtree(path)
+    return dest
+
+
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path) -> None:
-    """torchrun, gloo, 2 processes x 1 batch == 1 process accumulating the same 2 batches."""
+    """torchrun, gloo, 2 processes x 1 batch == 1 process accumulating the same 2 batches,
+    also across a resume; each process saves its own RNG state."""
+    from aiayn.checkpoint import load_training_state
     from aiayn.data.batching import encode_corpus, make_batches
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.run import load_split
 
-    cfg = task_config(tmp_path, max_steps=4, checkpoint_every_steps=4, lr_scale=1.0)
+    cfg = task_config(tmp_path, max_steps=4, checkpoint_every_steps=2, lr_scale=1.0)
     corpus = load_split(cfg.data, "train")
     vocab = Vocabulary.learn(corpus.src + corpus.tgt, 40)
     vocab.save(tmp_path / "vocab")
@@ -328,16 +341,26 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path) -> N
                     str(tmp_path / "r1"), *common], env=_env(), check=True, capture_output=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(29500 + os.getpid() % 1000)]
-    res = subprocess.run([*torchrun, "-m", "aiayn", "train", "--config", str(two), "--run-dir",
-                          str(tmp_path / "r2"), *common], env=_env(), capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    l1, l2 = train_losses(tmp_path / "r1"), train_losses(tmp_path / "r2")
-    assert sorted(l1) == sorted(l2) == [1, 2, 3, 4]
-    for step in l1:
-        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
-    w1 = load_file(str(tmp_path / "r1/checkpoints/step-00000004/model.safetensors"))
-    w2 = load_file(str(tmp_path / "r2/checkpoints/step-00000004/model.safetensors"))
-    for key in w1:
-        torch.testing.assert_close(w1[key], w2[key], rtol=1e-4, atol=1e-5)
+
+    def train2(*args: str) -> None:
+        res = subprocess.run([*torchrun, "-m", "aiayn", "train", *args, *common], env=_env(),
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+
+    train2("--config", str(two), "--run-dir", str(tmp_path / "r2"))
+    train2("--run-dir", str(_resume_copy(tmp_path / "r2", tmp_path / "r2b", 2)), "--resume")
+    l1 = train_losses(tmp_path / "r1")
+    for run in ("r2", "r2b"):
+        l2 = train_losses(tmp_path / run)
+        assert sorted(l1) == sorted(l2) == [1, 2, 3, 4]
+        for step in l1:
+            assert l2[step] == pytest.approx(l1[step], rel=1e-5), (run, step)
+        w1 = load_file(str(tmp_path / "r1/checkpoints/step-00000004/model.safetensors"))
+        w2 = load_file(str(tmp_path / run / "checkpoints/step-00000004/model.safetensors"))
+        for key in w1:
+            torch.testing.assert_close(w1[key], w2[key], rtol=1e-4, atol=1e-5)
     assert math.isfinite(l1[4]) and l1[4] < l1[1]
+
+    # each process's own RNG state is in the checkpoint (restored by rank on resume)
+    rng = load_training_state(tmp_path / "r2/checkpoints/step-00000002")["rng"]
+    assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])

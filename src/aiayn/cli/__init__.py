@@ -19,6 +19,8 @@ COMMANDS = {
     "train": "aiayn.cli.train",
     "average": "aiayn.cli.average",
     "translate": "aiayn.cli.translate",
+    "attention": "aiayn.cli.attention",
+    "serve": "aiayn.cli.serve",
     "evaluate": "aiayn.cli.evaluate",
     "plot": "aiayn.cli.plot",
     "params": "aiayn.cli.params",
@@ -66,10 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except (UserError, ValueError, FileNotFoundError) as err:
+    except (UserError, ValueError, OSError) as err:
+        # OSError: a file that cannot be read or written (permissions, a full disk, a folder
+        # where a file belongs); its message names the file.
         if os.environ.get("AIAYN_DEBUG"):
             raise
-        print(f"aiayn {args.command}: error: {err}", file=sys.stderr)
+        text = " ".join(str(err).split("\n"))
+        print(f"aiayn {args.command}: error: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"aiayn {args.command}: interrupted", file=sys.stderr)

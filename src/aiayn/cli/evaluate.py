@@ -48,16 +48,26 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--src needs --checkpoint PATH to translate with")
     if args.ref is None and args.ref_tok is None:
         raise UserError("give --ref FILE (detokenized references) and/or --ref-tok FILE")
+    from aiayn.cli.translate import check_decode_arguments
+    from aiayn.fileio import atomic_file, check_output_file
+
+    check_decode_arguments(args)
+    if args.output:
+        check_output_file(args.output, "--output")
     lang = args.lang
     result: dict = {}
     if args.hyp is not None:
         hyps = read_lines(args.hyp)
+        if not hyps:
+            raise UserError(f"--hyp {args.hyp}: the file is empty, nothing to score")
         result["hyp"] = args.hyp
     else:
         from aiayn.cli.translate import decode_options, load_model, warner
         from aiayn.decoding import translate_nbest
 
         lines = read_lines(args.src)
+        if not lines:
+            raise UserError(f"--src {args.src}: the file is empty, nothing to translate")
         model, config, vocab = load_model(args)
         options = decode_options(args, config)
         translations = translate_nbest(model, vocab, lines, warn=warner("evaluate"),
@@ -69,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                       decode={k: v for k, v in options.items() if k != "sampling"},
                       sampling=options["sampling"] is not None)
         if args.output:
-            with open(args.output, "w", encoding="utf-8") as f:
+            with atomic_file(args.output, "w") as f:
                 f.writelines(h.replace("\n", " ") + "\n" for h in hyps)
     lang = lang or "de"
     result.update(lang=lang, sentences=len(hyps))

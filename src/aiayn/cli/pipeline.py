@@ -44,9 +44,14 @@ def _tok_reference(dataset: str, tgt_lang: str) -> Path | None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from aiayn.checkpoint import list_checkpoints, load_checkpoint, write_json_atomic
+    import signal
+    import sys
+
+    from aiayn.checkpoint import list_checkpoints, load_checkpoint
     from aiayn.cli.plot import plot_run
     from aiayn.config import load_config
+    from aiayn.devices import choose_device
+    from aiayn.fileio import write_atomic, write_json_atomic
     from aiayn.decoding import translate_lines
     from aiayn.evaluation.bleu import multi30k_tokenize, multi30k_tok_bleu, sacrebleu_scores
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
@@ -57,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(msg, flush=True)
 
+    if args.average is not None and args.average < 1:
+        raise ValueError(f"--average must be at least 1, got {args.average}")
     overrides = list(args.set)
     if args.src_lang:
         overrides.append(f"data.src_lang={args.src_lang}")
@@ -68,12 +75,22 @@ def run(args: argparse.Namespace) -> int:
     d = config.data
     run_dir = Path(args.run_dir or f"runs/{d.dataset}-{d.src_lang}-{d.tgt_lang}")
     test = load_split(d, "test")  # fail early, before training, if the test set is missing
+    if test is None or len(test) == 0:
+        raise ValueError(f"aiayn pipeline needs a named dataset with a test split, not "
+                         f"data.dataset={d.dataset!r}; use aiayn train / average / evaluate")
+    device = choose_device(args.device)  # one device for training and decoding
     t0 = time.monotonic()
     say(f"[1/4] training {config.name} ({d.dataset} {d.src_lang}->{d.tgt_lang}) in {run_dir}")
     summary = run_training(None if args.resume else config, run_dir, resume=args.resume,
-                           overrides=overrides if args.resume else None, device=args.device,
+                           overrides=overrides if args.resume else None, device=str(device),
                            progress=not args.no_progress, log=say)
-    train_s = time.monotonic() - t0
+    if summary["stop_reason"].startswith("signal"):  # Ctrl-C / SIGTERM: stop here
+        name = summary["stop_reason"].split()[-1]
+        signum = getattr(signal, name, signal.SIGINT)
+        print(f"aiayn pipeline: training stopped by {name} at step {summary['steps']}; the "
+              f"checkpoint is in {run_dir / 'checkpoints'}. Continue with: aiayn pipeline "
+              f"--resume --run-dir {run_dir} --preset {args.preset}", file=sys.stderr)
+        return 128 + int(signum)
 
     k = args.average or config.train.keep_last
     found = list_checkpoints(run_dir)[-k:]
@@ -84,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     dc = config.decode
     say(f"[3/4] translating {len(test)} test sentences: beam {dc.beam_size}, alpha {dc.alpha}, "
         f"max length input + {dc.max_len_b}")
-    model, run_config, vocab = load_checkpoint(averaged, args.device or "cpu")
+    model, run_config, vocab = load_checkpoint(averaged, device)
     t1 = time.monotonic()
     hyps = translate_lines(model, vocab, test.src, beam_size=dc.beam_size, alpha=dc.alpha,
                            max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
@@ -92,9 +109,7 @@ def run(args: argparse.Namespace) -> int:
                            progress=not args.no_progress and not args.json)
     decode_s = time.monotonic() - t1
     hyp_path = run_dir / f"test.hyp.{d.tgt_lang}"
-    tmp = hyp_path.with_name(hyp_path.name + ".tmp")
-    tmp.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-    tmp.replace(hyp_path)
+    write_atomic(hyp_path, "".join(h + "\n" for h in hyps))
 
     say("[4/4] scoring")
     scores = sacrebleu_scores(hyps, test.tgt)

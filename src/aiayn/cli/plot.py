@@ -66,13 +66,17 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     fig.suptitle(f"aiayn run {run_dir.name}")
     fig.tight_layout()
     out = Path(output) if output else run_dir / "curves.png"
-    tmp = out.with_name(f".{out.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    from aiayn.fileio import save_with
+
+    save_with(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
     plt.close(fig)
-    tmp.replace(out)
     return out
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output:
+        from aiayn.fileio import check_output_file
+
+        check_output_file(args.output)
     print(plot_run(args.run_dir, args.output))
     return 0

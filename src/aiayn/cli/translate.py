@@ -41,6 +41,38 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
     p.add_argument("--bf16", action="store_true", help="decode under bf16 autocast")
 
 
+_DECODE_OPTIONS = {"beam_size": "--beam", "alpha": "--alpha", "max_len_a": "--max-len-a",
+                   "max_len_b": "--max-len-b", "batch_size": "--batch-size"}
+
+
+def check_decode_arguments(args: argparse.Namespace) -> None:
+    """Put the decoding options given on the command line through the checks of
+    :class:`~aiayn.config.DecodeConfig` and :class:`~aiayn.decoding.SamplingConfig`, before
+    any file is read or model loaded.
+
+    Raises:
+        ValueError: naming the option and its value.
+    """
+    from aiayn.config import DecodeConfig
+    from aiayn.decoding import SamplingConfig
+
+    given = {field: getattr(args, option[2:].replace("-", "_"))
+             for field, option in _DECODE_OPTIONS.items()}
+    given["beam_size"] = args.beam
+    try:
+        DecodeConfig(**{k: v for k, v in given.items() if v is not None})
+    except ValueError as err:
+        text = str(err)
+        for field, option in _DECODE_OPTIONS.items():
+            text = text.replace(f"DecodeConfig.{field}", option)
+        raise ValueError(text) from None
+    if args.sample:
+        try:
+            SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+        except ValueError as err:
+            raise ValueError(f"--{err}") from None
+
+
 def decode_options(args: argparse.Namespace, config, nbest: int = 1) -> dict:
     """Keyword arguments for :func:`aiayn.decoding.translate_nbest` from the CLI options, with
     the checkpoint's ``config.decode`` filling what was not given."""
@@ -61,12 +93,10 @@ def decode_options(args: argparse.Namespace, config, nbest: int = 1) -> dict:
 
 def load_model(args: argparse.Namespace):
     """(model, config, vocab) of ``--checkpoint`` on ``--device``."""
-    import torch
-
     from aiayn.checkpoint import load_checkpoint
+    from aiayn.devices import choose_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return load_checkpoint(args.checkpoint, device=device)
+    return load_checkpoint(args.checkpoint, device=choose_device(args.device))
 
 
 def read_input(path: str | None) -> list[str]:
@@ -105,8 +135,16 @@ def _one_line(text: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from aiayn.decoding import translate_nbest
 
+    from aiayn.devices import choose_device
+    from aiayn.fileio import atomic_file, check_output_file
+
     if args.nbest < 1:
         raise ValueError(f"--nbest must be >= 1, got {args.nbest}")
+    check_decode_arguments(args)
+    choose_device(args.device)
+    to_file = args.output not in (None, "-")
+    if to_file:  # before the whole input is decoded, not after
+        check_output_file(args.output)
     lines = read_input(args.input)
     model, config, vocab = load_model(args)
     options = decode_options(args, config, nbest=args.nbest)
@@ -123,10 +161,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             out.append(_one_line(translations[0].text))
     data = "".join(line + "\n" for line in out).encode("utf-8")
-    if args.output is None or args.output == "-":
-        sys.stdout.buffer.write(data)
+    if not to_file:
+        sys.stdout.buffer.write(data) if hasattr(sys.stdout, "buffer") else \
+            sys.stdout.write(data.decode("utf-8"))
         sys.stdout.flush()
     else:
-        with open(args.output, "wb") as f:
+        with atomic_file(args.output) as f:
             f.write(data)
     return 0

@@ -43,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
                          "or --dataset multi30k")
     if args.tgt and not args.src:
         raise ValueError("--tgt needs --src")
+    from aiayn.errors import UserError
+    from aiayn.fileio import check_output_dir
+
+    check_output_dir(args.output, "-o")
     t0 = time.perf_counter()
     if args.dataset:
         corpus = load_dataset(args.dataset, args.split, args.src_lang, args.tgt_lang,
@@ -51,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
         corpus = load_files(args.src, args.tgt, drop_empty=not args.keep_empty)
     t_read = time.perf_counter() - t0
     texts = corpus.src + corpus.tgt
+    if not any(text.strip() for text in texts):
+        source = args.src + (f" and {args.tgt}" if args.tgt else "") if args.src else corpus.name
+        raise UserError(f"{source}: no text to learn a vocabulary from ({len(corpus)} pairs, "
+                        f"{corpus.dropped_empty} empty ones dropped)")
     t1 = time.perf_counter()
     vocab = Vocabulary.learn(texts, args.size, args.kind)
     t_learn = time.perf_counter() - t1

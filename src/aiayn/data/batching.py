@@ -111,7 +111,8 @@ def make_batches(
 
     Raises:
         ValueError: a pair longer than ``max_tokens`` (it could never fit), lengths of different
-            shapes, a bad shard, or fewer pairs than shards.
+            shapes, a bad shard, fewer pairs than shards, or batches that cannot be dealt
+            equally to the shards (all of one pair each, their count not a multiple).
     """
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index={shard_index} is not in [0, num_shards={num_shards})")
@@ -161,7 +162,10 @@ def _split_to_multiple(batches: list[list[int]], k: int) -> list[list[int]]:
     for _ in range(-len(batches) % k):
         j = max(range(len(batches)), key=lambda i: len(batches[i]))
         b = batches[j]
-        assert len(b) >= 2, "n >= k guarantees a batch of two rows while there are < k batches"
+        if len(b) < 2:  # found by the property tests: every batch is a single pair
+            raise ValueError(f"{len(batches)} batches of one pair each cannot be dealt equally "
+                             f"to {k} shards; raise max_tokens (each pair takes more than half "
+                             "of it)")
         batches[j : j + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
     return batches
 

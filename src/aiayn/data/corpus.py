@@ -89,6 +89,8 @@ def read_lines(path: str | Path, strip: bool = True) -> list[str]:
             gzip stream.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a text file")
     if not path.is_file():
         raise FileNotFoundError(f"file not found: {path}")
     out: list[str] = []

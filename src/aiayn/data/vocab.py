@@ -97,11 +97,9 @@ class Vocabulary:
         """Write ``DIR/tokenizer.json`` atomically; returns its path."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / VOCAB_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(self.to_json(), encoding="utf-8")
-        tmp.replace(path)
-        return path
+        from aiayn.fileio import write_atomic
+
+        return write_atomic(directory / VOCAB_FILE, self.to_json())
 
     def to_json(self) -> str:
         data = json.loads(self.tokenizer.to_str())

@@ -220,6 +220,12 @@ def beam_search(
     (the early termination of §6.1, as in tensor2tensor). Finished sentences leave the batch
     (``step.select``), so mixed lengths cost no work on sentences already done.
 
+    ``beam_size=1`` is beam search of width 1, not greedy search: an EOS among the 2 best
+    extensions finishes a hypothesis while the best non-EOS one lives on (as in fairseq and
+    tensor2tensor). The live path is the greedy path, so the result is the greedy output or
+    one with a better length-penalised score. :func:`translate_nbest` runs
+    :func:`greedy_search` for ``beam_size=1``.
+
     Args:
         step: step function with B rows, not yet called (it is expanded to B*K rows here).
         max_lens: long (B,), tokens each sentence may generate before the forced EOS.

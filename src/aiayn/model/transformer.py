@@ -108,6 +108,12 @@ class MultiHeadAttention(nn.Module):
 
     d_k and d_v are free of d_model / h so that Table 3 rows (A) and (B) can be built.
     The attention itself is eq. 1, run by ``F.scaled_dot_product_attention``.
+
+    Recording (for figures like the paper's Figures 3-5): set ``record_weights = True`` and
+    each call computes eq. 1 explicitly, softmax(Q K^T / sqrt(d_k)) with the masks applied,
+    uses those weights for its output and keeps them in ``weights`` (B, h, Tq, Tk), float32.
+    Off by default, so training and decoding pay one attribute test
+    (see :func:`aiayn.viz.attention.record_attention`).
     """
 
     def __init__(self, d_model: int, h: int, d_k: int, d_v: int, dropout: float = 0.0) -> None:
@@ -118,6 +124,8 @@ class MultiHeadAttention(nn.Module):
         self.W_v = nn.Linear(d_model, h * d_v)
         self.W_o = nn.Linear(h * d_v, d_model)
         self.dropout = dropout
+        self.record_weights = False
+        self.weights: Tensor | None = None
 
     def _split(self, x: Tensor, size: int) -> Tensor:
         B, L, _ = x.shape
@@ -147,12 +155,32 @@ class MultiHeadAttention(nn.Module):
         """
         q = self._split(self.W_q(query), self.d_k)  # (B, h, Tq, d_k)
         k, v = kv
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-        )  # (B, h, Tq, d_v)
+        if self.record_weights:
+            out = self._attend_recording(q, k, v, mask, is_causal)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=is_causal,
+                dropout_p=self.dropout if self.training else 0.0,
+            )  # (B, h, Tq, d_v)
         B, _, Tq, _ = out.shape
         return self.W_o(out.transpose(1, 2).reshape(B, Tq, self.h * self.d_v))
+
+
+    def _attend_recording(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                          is_causal: bool) -> Tensor:
+        """Eq. 1 written out, keeping softmax(Q K^T / sqrt(d_k)) in ``self.weights``."""
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.d_k)  # (B,h,Tq,Tk)
+        if is_causal:
+            Tq, Tk = scores.shape[-2:]
+            causal = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+            mask = causal if mask is None else mask & causal
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(dim=-1)
+        self.weights = weights.detach()
+        if self.training and self.dropout > 0:
+            weights = F.dropout(weights, self.dropout)
+        return (weights @ v.float()).to(v.dtype)  # (B, h, Tq, d_v)
 
 
 class PositionwiseFeedForward(nn.Module):

@@ -17,12 +17,17 @@ def average_checkpoints(paths: list[Path], output: str | Path) -> Path:
 
     The config and vocabulary come from the newest checkpoint; all must share them.
 
+    ``output`` must be a new path or an earlier average (a checkpoint whose ``meta.json`` has
+    ``averaged_from``): nothing else is ever replaced.
+
     Raises:
-        UserError: no paths, checkpoints whose tensors differ in names or shapes, or whose
-            vocabularies differ.
+        UserError: no paths, an ``output`` that exists and is not an earlier average (or is
+            named like a step checkpoint), an unreadable checkpoint, checkpoints whose tensors
+            differ in names or shapes, or whose vocabularies differ.
     """
     if not paths:
         raise UserError("no checkpoints to average")
+    check_average_output(output)
     fingerprints = {Path(p): read_meta(p).get("vocab_fingerprint") for p in paths}
     if len({f for f in fingerprints.values() if f is not None}) > 1:
         listing = ", ".join(f"{p} ({f[:12] if f else 'none recorded'})"
@@ -31,7 +36,11 @@ def average_checkpoints(paths: list[Path], output: str | Path) -> Path:
                         "average checkpoints of one run only")
     total: dict[str, torch.Tensor] = {}
     for path in paths:
-        weights = load_file(str(Path(path) / "model.safetensors"))
+        file = Path(path) / "model.safetensors"
+        try:
+            weights = load_file(str(file))
+        except Exception as err:  # safetensors' own error type: truncated or corrupt file
+            raise UserError(f"{file}: not a readable safetensors file ({err})") from None
         if total and set(weights) != set(total):
             raise UserError(f"{path}: its tensors differ from {paths[0]}'s; average checkpoints "
                             "of one run only")
@@ -52,3 +61,27 @@ def average_checkpoints(paths: list[Path], output: str | Path) -> Path:
         model.src_embed.weight.data.copy_(src)
     meta = {"averaged_from": [str(p) for p in paths]}
     return save_checkpoint(output, model, config, vocab, meta)
+
+
+def check_average_output(output: str | Path) -> None:
+    """Refuse an output path that averaging would destroy: anything that exists and is not an
+    earlier average, and any ``step-N`` name inside a run's ``checkpoints/`` folder.
+
+    Raises:
+        UserError: naming ``output`` and what is there.
+    """
+    output = Path(output)
+    if output.parent.name == "checkpoints" and output.name.startswith("step-"):
+        raise UserError(f"-o {output}: names a step checkpoint of a run; write the average "
+                        "elsewhere (default: RUN_DIR/averaged)")
+    if not output.exists() and not output.is_symlink():
+        return
+    what = "a file" if not output.is_dir() else "a folder that is not an earlier average"
+    if output.is_dir() and (output / "meta.json").is_file():
+        try:
+            if "averaged_from" in read_meta(output):
+                return
+        except UserError:
+            pass
+    raise UserError(f"-o {output}: already exists and is {what}; aiayn average replaces only "
+                    "its own earlier output. Choose a new path")

@@ -19,12 +19,9 @@ Run directory::
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
-import shutil
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,19 +32,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from aiayn.checkpoint import (
-    list_checkpoints,
-    load_training_state,
-    save_checkpoint,
-    write_json_atomic,
-)
+from aiayn.checkpoint import load_training_state
 from aiayn.config import Config
 from aiayn.data.batching import EncodedCorpus, collate, make_batches
 from aiayn.data.corpus import ParallelCorpus
-from aiayn.data.vocab import PAD_ID, Vocabulary
+from aiayn.data.vocab import Vocabulary
 from aiayn.errors import UserError
+from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.training.loss import label_smoothed_loss
+from aiayn.training.parts import (
+    Checkpointer,
+    MetricsSink,
+    Progress,
+    Window,
+    validation_figures,
+    weights_finite,
+)
 from aiayn.training.schedule import learning_rate
 
 
@@ -70,9 +71,13 @@ class DistInfo:
 
 
 def init_distributed(device: torch.device) -> DistInfo:
-    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA)."""
+    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA); the one place
+    that does (:func:`aiayn.training.run.run_training` calls it before anything else). A no-op
+    for a single process or when already joined."""
     info = DistInfo.from_env()
     if info.world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL and object collectives use the current device
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return info
 
@@ -96,8 +101,21 @@ class StopTraining(UserError):
     """Raised inside the loop to end it early with a message (non-finite losses)."""
 
 
+def build_model(config: Config, device: torch.device, seed: int) -> Transformer:
+    """The §3 model of ``config.model`` on ``device``, initialised from ``seed`` (the same
+    weights on every process)."""
+    torch.manual_seed(seed)
+    return Transformer(config.model).to(device)
+
+
+def build_optimizer(model: nn.Module, tc: Any) -> torch.optim.Optimizer:
+    """Adam with beta1, beta2, epsilon of §5.3 (the learning rate is set at every step)."""
+    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2),
+                            eps=tc.adam_eps, weight_decay=tc.weight_decay)
+
+
 class Trainer:
-    """Trains ``model`` on ``train`` (encoded pairs) as ``config.train`` says.
+    """Trains a model on ``train`` (encoded pairs) as ``config.train`` says (§5).
 
     Args:
         config: the whole run config (model, data, train, decode).
@@ -105,8 +123,17 @@ class Trainer:
         vocab: the shared vocabulary (saved into every checkpoint).
         train: encoded training pairs.
         valid: raw validation pairs (BLEU) and ``valid_encoded`` their encoding (loss).
-        device: ``cpu`` or ``cuda:N``.
+        device: ``cpu`` or ``cuda:N`` (choose it with :func:`aiayn.devices.choose_device`).
         progress: show a tqdm progress bar (main process only).
+        model: the model to train, already on ``device``; default :func:`build_model`.
+        optimizer: its optimizer; default :func:`build_optimizer` (Adam, §5.3). Its learning
+            rate is overwritten at every step by the §5.3 schedule.
+        metrics: where log records go; default :class:`MetricsSink` on ``run_dir``.
+        checkpointer: writes checkpoints; default :class:`Checkpointer` on ``run_dir``.
+
+    Raises:
+        ValueError: no training pairs.
+        RuntimeError: several processes but no process group (call :func:`init_distributed`).
     """
 
     def __init__(
@@ -120,6 +147,11 @@ class Trainer:
         device: str | torch.device = "cpu",
         progress: bool = True,
         math_attention: bool | None = None,
+        *,
+        model: Transformer | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        metrics: MetricsSink | None = None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.config = config
         self.tc = config.train
@@ -129,7 +161,15 @@ class Trainer:
         self.valid = valid
         self.valid_encoded = valid_encoded
         self.device = torch.device(device)
-        self.dist = init_distributed(self.device)
+        self.dist = DistInfo.from_env()
+        if self.dist.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError("several processes: call init_distributed(device) before "
+                               "building a Trainer")
+        if len(train) == 0:
+            raise ValueError("no training pairs: every epoch would be empty")
+        if config.model.pad_id != vocab.pad_id:  # the vocabulary is the one source of truth
+            raise ValueError(f"model.pad_id={config.model.pad_id} but the vocabulary pads "
+                             f"with id {vocab.pad_id}")
         self.progress = progress and self.dist.is_main
         # SDPA's CPU flash kernel has a slow backward at sentence lengths of ~30 tokens; the
         # plain math kernel is faster there (measured in bench/bench_train.py).
@@ -142,19 +182,20 @@ class Trainer:
         self._tgt_len = train.tgt_lengths()
         self._epoch_batches: list[list[int]] | None = None
 
-        torch.manual_seed(self.tc.seed)
-        self.model = Transformer(config.model).to(self.device)
+        self.model = model if model is not None else build_model(config, self.device,
+                                                                 self.tc.seed)
         if self.dist.world_size > 1:  # same initial weights, different dropout masks
             torch.manual_seed(self.tc.seed + 1000 * self.dist.rank)
         self.ddp_model: nn.Module = self.model
         if self.dist.world_size > 1:
             self.ddp_model = nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        self.optimizer = torch.optim.Adam(
-            self.model.parameters(), lr=0.0, betas=(self.tc.adam_beta1, self.tc.adam_beta2),
-            eps=self.tc.adam_eps, weight_decay=self.tc.weight_decay)
-        self.writer = None
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model,
+                                                                                 self.tc)
+        self.metrics = metrics if metrics is not None else \
+            MetricsSink(self.run_dir, enabled=self.dist.is_main)
+        self.checkpointer = checkpointer if checkpointer is not None else \
+            Checkpointer(self.run_dir, config, vocab, self.tc.keep_last)
 
     # --- data -----------------------------------------------------------------------------
     def _batches_of_epoch(self, epoch: int) -> list[list[int]]:
@@ -167,6 +208,8 @@ class Trainer:
         if self._epoch_batches is None:
             self._epoch_batches = self._batches_of_epoch(s.epoch)
         while s.batch_in_epoch >= len(self._epoch_batches):
+            if not self._epoch_batches and s.batch_in_epoch == 0:
+                raise ValueError(f"epoch {s.epoch} has no batch")  # guarded in __init__
             s.epoch += 1
             s.batch_in_epoch = 0
             self._epoch_batches = self._batches_of_epoch(s.epoch)
@@ -183,22 +226,25 @@ class Trainer:
             "best_metric": s.best_metric, "evals_since_best": s.evals_since_best,
             "target_tokens": s.target_tokens,
             "optimizer": self.optimizer.state_dict(),
-            "torch_rng": torch.get_rng_state(),  # dropout masks; batching has its own seed
+            # dropout masks: every process's own generators; batching has its own seed
+            "rng": self._gather_rng_states(),
             "rank": self.dist.rank, "world_size": self.dist.world_size,
         }
 
-    def save(self, reason: str = "periodic") -> Path | None:
-        """Write ``checkpoints/step-N`` (main process) and prune to ``keep_last``."""
-        self._last_ckpt_time = time.monotonic()
-        if not self.dist.is_main:
-            return None
-        path = self.run_dir / "checkpoints" / f"step-{self.state.step:08d}"
-        meta = {"step": self.state.step, "epoch": self.state.epoch, "reason": reason,
-                "elapsed_s": round(self.state.elapsed_s, 1), "time": time.time()}
-        save_checkpoint(path, self.model, self.config, self.vocab, meta, self._training_state())
-        for old in list_checkpoints(self.run_dir)[: -self.tc.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        return path
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _gather_rng_states(self) -> list[dict[str, torch.Tensor]]:
+        """Each process's CPU (and CUDA) RNG state, by rank (a collective: all ranks call it)."""
+        mine = self._rng_state()
+        if self.dist.world_size == 1:
+            return [mine]
+        states: list[Any] = [None] * self.dist.world_size
+        dist.all_gather_object(states, mine)
+        return states
 
     def resume(self, checkpoint: Path) -> None:
         """Restore weights, optimizer, schedule position, RNGs and data position."""
@@ -217,7 +263,13 @@ class Trainer:
             elapsed_s=st["elapsed_s"], nonfinite_total=st["nonfinite_total"],
             best_metric=st["best_metric"], evals_since_best=st["evals_since_best"],
             target_tokens=st["target_tokens"])
-        torch.set_rng_state(st["torch_rng"])
+        if "rng" in st:
+            mine = st["rng"][self.dist.rank]
+            torch.set_rng_state(mine["cpu"])
+            if "cuda" in mine and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda"], self.device)
+        else:  # checkpoints of earlier versions kept rank 0's CPU state only
+            torch.set_rng_state(st["torch_rng"])
         self._epoch_batches = None
 
     # --- one update -----------------------------------------------------------------------
@@ -234,17 +286,18 @@ class Trainer:
     def _batch_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Label-smoothed loss of one batch (§5.4), summed over its non-pad target tokens; only
         those positions reach the output layer. Returns (loss_sum, nll_sum, n_tokens)."""
-        keep = batch.tgt_out != PAD_ID  # (B, T)
+        keep = batch.tgt_out != self.vocab.pad_id  # (B, T)
         with self._autocast():
             logits = model(batch.src, batch.tgt_in, output_mask=keep)  # (n, V)
-        return label_smoothed_loss(logits, batch.tgt_out[keep], self.tc.epsilon_ls, PAD_ID)
+        return label_smoothed_loss(logits, batch.tgt_out[keep], self.tc.epsilon_ls,
+                                   self.vocab.pad_id)
 
     def train_step(self) -> dict[str, float]:
         """One update from ``accum_steps`` batches (per process). Returns loss figures."""
         self.ddp_model.train()
         batches = [collate(self.train_data, self._next_batch_indices()).to(self.device)
                    for _ in range(self.tc.accum_steps)]
-        tokens = torch.tensor([float(sum(b.tgt_tokens for b in batches))])
+        tokens = torch.tensor([float(sum(b.tgt_tokens for b in batches))], device=self.device)
         if self.dist.world_size > 1:
             dist.all_reduce(tokens)
         global_tokens = float(tokens.item())
@@ -261,7 +314,7 @@ class Trainer:
                 (loss * scale).backward()
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
-        figures = torch.tensor([loss_sum, nll_sum])
+        figures = torch.tensor([loss_sum, nll_sum], device=self.device)
         if self.dist.world_size > 1:
             dist.all_reduce(figures)
         loss_tok, nll_tok = (figures / global_tokens).tolist()
@@ -284,54 +337,135 @@ class Trainer:
         return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "lr": lr,
                 "grad_norm": grad_norm, "skipped": 0.0}
 
-    # --- validation -----------------------------------------------------------------------
-    @torch.no_grad()
-    def validate(self) -> dict[str, float]:
-        """Validation loss and perplexity (per target subword) and greedy BLEU (sacreBLEU,
-        cased, detokenized) on the first ``eval_bleu_sentences`` pairs. Main process only."""
-        self.model.eval()
-        out: dict[str, float] = {}
-        if self.valid_encoded is not None and len(self.valid_encoded):
-            loss_sum = nll_sum = n = 0.0
-            order = make_batches(self.valid_encoded.src_lengths(),
-                                 self.valid_encoded.tgt_lengths(),
-                                 self.config.data.max_tokens, shuffle=False)
-            for idx in order:
-                b = collate(self.valid_encoded, idx).to(self.device)
-                loss, nll, k = self._batch_loss(self.model, b)
-                loss_sum, nll_sum, n = loss_sum + float(loss), nll_sum + float(nll), n + k
-            out["valid_loss"] = loss_sum / n
-            out["valid_nll"] = nll_sum / n
-            out["valid_ppl"] = math.exp(min(nll_sum / n, 50.0))
-        k = self.tc.eval_bleu_sentences
-        if self.valid is not None and k > 0:
-            from aiayn.decoding import translate_lines
-            from aiayn.evaluation.bleu import sacrebleu_scores
-
-            src, ref = self.valid.src[:k], self.valid.tgt[:k]
-            hyps = translate_lines(self.model, self.vocab, src, beam_size=1,
-                                   max_len_a=self.config.decode.max_len_a,
-                                   max_len_b=self.config.decode.max_len_b,
-                                   batch_size=self.config.decode.batch_size, bf16=self.tc.bf16)
-            scores = sacrebleu_scores(hyps, ref)
-            out["valid_bleu"] = scores["bleu"]
-            out["valid_chrf"] = scores["chrf"]
-        return out
-
-    # --- logging --------------------------------------------------------------------------
-    def _log(self, record: dict[str, Any]) -> None:
+    def save(self, reason: str = "periodic") -> Path | None:
+        """Write ``checkpoints/step-N`` (main process) and prune to ``keep_last``. Weights that
+        are not all finite are never written (returns None then, and on other processes).
+        Every process must call it (the RNG states are gathered)."""
+        self._last_ckpt_time = time.monotonic()
+        if not weights_finite(self.model):  # the same on every process: DDP keeps them equal
+            return None
+        state = self._training_state()
         if not self.dist.is_main:
-            return
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in record.items():
-                if key not in ("step", "kind") and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
-            self.writer.flush()
+            return None
+        meta = {"step": self.state.step, "epoch": self.state.epoch, "reason": reason,
+                "elapsed_s": round(self.state.elapsed_s, 1), "time": time.time()}
+        return self.checkpointer.save_step(self.model, meta, state)
+
+    def validate(self) -> dict[str, float]:
+        """Validation figures of the current weights (see :func:`validation_figures`)."""
+        return validation_figures(self.model, self._batch_loss, self.config, self.vocab,
+                                  self.valid, self.valid_encoded, self.device)
 
     # --- the loop -------------------------------------------------------------------------
-    def _install_signal_handlers(self) -> dict[int, Any]:
+    def fit(self) -> dict[str, Any]:
+        """Train until ``max_steps``, ``time_budget_s``, early stopping or a signal: §5 as a
+        loop of updates (batches of §5.1, Adam and the schedule of §5.3, dropout and label
+        smoothing of §5.4), with logging, validation and checkpoints between them.
+
+        SIGINT / SIGTERM finish the current update, write a checkpoint and return.
+
+        Returns:
+            A summary: steps, elapsed_s, why it stopped, best metric, last validation figures.
+
+        Raises:
+            StopTraining: more than ``max_nonfinite`` non-finite losses in a row (a checkpoint
+                of the last good state is written first, if its weights are finite).
+        """
+        tc, s = self.tc, self.state
+        self.metrics.open()
+        bar = Progress(self.progress, tc.max_steps, tc.time_budget_s, s.step, s.elapsed_s)
+        window, last_valid, bad_in_a_row = Window(), {}, 0
+        stop_reason = "max_steps"
+        self._clock = time.monotonic()
+        try:
+            with self._signals_caught():
+                while s.step < tc.max_steps:
+                    stop_reason = self._between_steps()
+                    if stop_reason:
+                        break
+                    fig = self.train_step()
+                    self._tick()
+                    if fig["skipped"]:
+                        bad_in_a_row += 1
+                        s.nonfinite_total += 1
+                        if bad_in_a_row > tc.max_nonfinite:
+                            self._stop_nonfinite(bad_in_a_row)
+                        continue
+                    bad_in_a_row = 0
+                    window.add(fig)
+                    bar.update(s.step, s.elapsed_s)
+                    if s.step % tc.log_every_steps == 0 or s.step == 1:
+                        record = window.record(s.step, s.epoch, fig["lr"], s.elapsed_s,
+                                               s.nonfinite_total)
+                        self.metrics.log(record)
+                        bar.update(s.step, s.elapsed_s, step=s.step, loss=f"{record['loss']:.3f}",
+                                   lr=f"{fig['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+                        window = Window()
+                    if s.step % tc.eval_every_steps == 0:
+                        last_valid = self._evaluate_and_track()
+                    if tc.checkpoint_every_steps and s.step % tc.checkpoint_every_steps == 0:
+                        self.save()
+                        self._clock = time.monotonic()
+                stop_reason = stop_reason or "max_steps"
+                if s.step % tc.eval_every_steps != 0 or not last_valid:
+                    last_valid = self._evaluate_and_track()
+                self.save(stop_reason)
+        finally:
+            bar.close()
+            self.metrics.close()
+        summary = {
+            "steps": s.step, "epochs": s.epoch, "elapsed_s": round(s.elapsed_s, 1),
+            "stop_reason": stop_reason, "target_tokens": s.target_tokens,
+            "nonfinite_total": s.nonfinite_total,
+            "parameters": count_parameters(self.model), **last_valid,
+        }
+        if self.dist.is_main:
+            write_json_atomic(self.run_dir / "train_summary.json", summary)
+        return summary
+
+    def _tick(self) -> None:
+        """Add the wall time since the last tick to ``elapsed_s`` (validation excluded)."""
+        now = time.monotonic()
+        self.state.elapsed_s += now - self._clock
+        self._clock = now
+
+    def _between_steps(self) -> str:
+        """Why to stop now ("" to go on), and a time-based checkpoint when one is due: the
+        main process decides (clocks and signals differ by rank), in one broadcast."""
+        tc, s = self.tc, self.state
+        stop, budget, early, due = self._agree(
+            self._stop_signal is not None,
+            bool(tc.time_budget_s) and s.elapsed_s >= tc.time_budget_s,
+            bool(tc.early_stopping_patience) and s.evals_since_best >= tc.early_stopping_patience,
+            bool(tc.checkpoint_every_s)
+            and time.monotonic() - self._last_ckpt_time >= tc.checkpoint_every_s)
+        if stop:
+            name = signal.Signals(self._stop_signal).name if self._stop_signal \
+                else "on the main process"
+            return f"signal {name}"
+        if budget or early:
+            return "time_budget" if budget else "early_stopping"
+        if due:
+            self.save()
+            self._clock = time.monotonic()
+        return ""
+
+    def _stop_nonfinite(self, in_a_row: int) -> None:
+        path = self.save("nonfinite")
+        if path is not None:
+            where = f"the last good state is in {path}"
+        else:
+            newest = self.checkpointer.newest()
+            where = ("the weights are not finite, so no checkpoint was written; "
+                     + (f"the newest saved one is {newest}" if newest else
+                        "none was saved before"))
+        raise StopTraining(f"{in_a_row} non-finite losses in a row at step {self.state.step}; "
+                           f"{where}. Lower the learning rate (train.lr_scale) or enable "
+                           "train.clip_norm.")
+
+    @contextlib.contextmanager
+    def _signals_caught(self):
+        """SIGINT and SIGTERM set a flag that the loop reads between updates."""
         def handler(signum: int, frame: Any) -> None:
             self._stop_signal = signum
 
@@ -341,138 +475,24 @@ class Trainer:
                 old[sig] = signal.signal(sig, handler)
             except ValueError:  # not the main thread
                 pass
-        return old
-
-    def fit(self) -> dict[str, Any]:
-        """Train until ``max_steps``, ``time_budget_s``, early stopping or a signal.
-
-        SIGINT / SIGTERM finish the current update, write a checkpoint and return.
-
-        Returns:
-            A summary: steps, elapsed_s, why it stopped, best metric, last validation figures.
-
-        Raises:
-            StopTraining: more than ``max_nonfinite`` non-finite losses in a row (a checkpoint of
-                the last good state is written first).
-        """
-        tc = self.tc
-        if self.dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.run_dir / "tb"))
-        old_handlers = self._install_signal_handlers()
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            # a time budget ends the run before max_steps: then the bar counts training seconds
-            by_time = bool(tc.time_budget_s)
-            bar = tqdm(total=int(tc.time_budget_s) if by_time else tc.max_steps,
-                       initial=int(self.state.elapsed_s) if by_time else self.state.step,
-                       unit="s" if by_time else "step", desc="train", dynamic_ncols=True,
-                       file=sys.stderr, mininterval=1.0,
-                       bar_format=("{l_bar}{bar}| {n_fmt}/{total_fmt} s of training "
-                                   "[{elapsed}<{remaining}{postfix}]") if by_time else None)
-        stop_reason = "max_steps"
-        last_valid: dict[str, float] = {}
-        consecutive_bad = 0
-        window = {"tokens": 0.0, "loss": 0.0, "nll": 0.0, "steps": 0, "t0": time.monotonic()}
-        t_prev = time.monotonic()
         try:
-            while self.state.step < tc.max_steps:
-                if self._agree(self._stop_signal is not None):
-                    name = signal.Signals(self._stop_signal).name if self._stop_signal else "?"
-                    stop_reason = f"signal {name}"
-                    break
-                if self._agree(bool(tc.time_budget_s)
-                               and self.state.elapsed_s >= tc.time_budget_s):
-                    stop_reason = "time_budget"
-                    break
-                fig = self.train_step()
-                now = time.monotonic()
-                self.state.elapsed_s += now - t_prev
-                t_prev = now
-                if fig["skipped"]:
-                    consecutive_bad += 1
-                    self.state.nonfinite_total += 1
-                    if consecutive_bad > tc.max_nonfinite:
-                        path = self.save("nonfinite")
-                        raise StopTraining(
-                            f"{consecutive_bad} non-finite losses in a row at step "
-                            f"{self.state.step}; the last good state is in {path}. Lower the "
-                            "learning rate (train.lr_scale) or enable train.clip_norm.")
-                    continue
-                consecutive_bad = 0
-                window["tokens"] += fig["tokens"]
-                window["loss"] += fig["loss"] * fig["tokens"]
-                window["nll"] += fig["nll"] * fig["tokens"]
-                window["steps"] += 1
-                step = self.state.step
-                if bar is not None:
-                    done = min(int(self.state.elapsed_s), bar.total) if by_time else step
-                    bar.update(done - bar.n)
-                if step % tc.log_every_steps == 0 or step == 1:
-                    dt = max(now - window["t0"], 1e-9)
-                    record = {
-                        "kind": "train", "step": step, "epoch": self.state.epoch,
-                        "loss": window["loss"] / window["tokens"],
-                        "nll": window["nll"] / window["tokens"],
-                        "ppl": math.exp(min(window["nll"] / window["tokens"], 50.0)),
-                        "lr": fig["lr"], "tokens_per_s": window["tokens"] / dt,
-                        "elapsed_s": round(self.state.elapsed_s, 2),
-                        "nonfinite_total": self.state.nonfinite_total,
-                    }
-                    self._log(record)
-                    if bar is not None:
-                        bar.set_postfix(step=step, loss=f"{record['loss']:.3f}",
-                                        lr=f"{fig['lr']:.2e}",
-                                        tok_s=f"{record['tokens_per_s']:.0f}")
-                    window = {"tokens": 0.0, "loss": 0.0, "nll": 0.0, "steps": 0,
-                              "t0": time.monotonic()}
-                if step % tc.eval_every_steps == 0:
-                    last_valid = self._evaluate_and_track()
-                    t_prev = time.monotonic()
-                    if tc.early_stopping_patience and \
-                            self.state.evals_since_best >= tc.early_stopping_patience:
-                        stop_reason = "early_stopping"
-                        break
-                due_steps = tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0
-                due_time = tc.checkpoint_every_s and \
-                    time.monotonic() - self._last_ckpt_time >= tc.checkpoint_every_s
-                if self._agree(bool(due_steps or due_time)):
-                    self.save()
-                    t_prev = time.monotonic()
-            if self.state.step % tc.eval_every_steps != 0 or not last_valid:
-                last_valid = self._evaluate_and_track()
-            self.save(stop_reason)
+            yield
         finally:
-            if bar is not None:
-                bar.close()
-            for sig, h in old_handlers.items():
+            for sig, h in old.items():
                 signal.signal(sig, h)
-            if self.writer is not None:
-                self.writer.close()
-        summary = {
-            "steps": self.state.step, "epochs": self.state.epoch,
-            "elapsed_s": round(self.state.elapsed_s, 1), "stop_reason": stop_reason,
-            "target_tokens": self.state.target_tokens,
-            "nonfinite_total": self.state.nonfinite_total,
-            "parameters": count_parameters(self.model), **last_valid,
-        }
-        if self.dist.is_main:
-            write_json_atomic(self.run_dir / "train_summary.json", summary)
-        return summary
 
-    def _agree(self, decision: bool) -> bool:
-        """The main process's decision, shared with all (clocks and signals differ by rank)."""
+    def _agree(self, *decisions: bool) -> tuple[bool, ...]:
+        """The main process's decisions, shared with all in one broadcast on the training
+        device (NCCL reduces and broadcasts only tensors on the GPU)."""
         if self.dist.world_size == 1:
-            return decision
-        flag = torch.tensor([1.0 if decision else 0.0])
-        dist.broadcast(flag, src=0)
-        return bool(flag.item())
+            return tuple(bool(d) for d in decisions)
+        flags = torch.tensor([1 if d else 0 for d in decisions], dtype=torch.uint8,
+                             device=self.device)
+        dist.broadcast(flags, src=0)
+        return tuple(bool(f) for f in flags.tolist())
 
     def _evaluate_and_track(self) -> dict[str, float]:
+        """Validate (main process), keep ``best/``, count evaluations without improvement."""
         figures: dict[str, float] = {}
         if self.dist.is_main:
             t0 = time.monotonic()
@@ -480,17 +500,16 @@ class Trainer:
             figures["valid_seconds"] = time.monotonic() - t0
             metric = figures.get("valid_bleu", -figures.get("valid_loss", float("inf")))
             s = self.state
-            if s.best_metric is None or metric > s.best_metric:
+            better = math.isfinite(metric) and (s.best_metric is None or metric > s.best_metric)
+            if better and weights_finite(self.model):
                 s.best_metric = metric
                 s.evals_since_best = 0
                 meta = {"step": s.step, **{k: round(v, 4) for k, v in figures.items()}}
-                save_checkpoint(self.run_dir / "best", self.model, self.config, self.vocab, meta)
+                self.checkpointer.save_best(self.model, meta)
             else:
                 s.evals_since_best += 1
-            self._log({"kind": "valid", "step": s.step, "elapsed_s": round(s.elapsed_s, 2),
-                       **figures})
-        if self.dist.world_size > 1:  # share the early-stopping counter
-            t = torch.tensor([float(self.state.evals_since_best)])
-            dist.broadcast(t, src=0)
-            self.state.evals_since_best = int(t.item())
+            self.metrics.log({"kind": "valid", "step": s.step,
+                              "elapsed_s": round(s.elapsed_s, 2), **figures})
+        # evals_since_best lives on the main process; the next step's flags carry its verdict
+        self._clock = time.monotonic()
         return figures

@@ -3,20 +3,20 @@ and ``aiayn pipeline``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from aiayn.checkpoint import list_checkpoints, write_json_atomic
-from aiayn.config import Config
+from aiayn.checkpoint import list_checkpoints, recover_run_dir
+from aiayn.config import Config, read_json_object
 from aiayn.data.batching import encode_corpus
 from aiayn.data.corpus import ParallelCorpus, load_dataset, load_parallel
 from aiayn.data.vocab import Vocabulary
+from aiayn.devices import choose_device
 from aiayn.errors import UserError
-from aiayn.training.loop import DistInfo, Trainer
+from aiayn.fileio import check_output_dir, write_json_atomic
+from aiayn.training.loop import DistInfo, Trainer, init_distributed
 
 
 def load_split(data: Any, split: str) -> ParallelCorpus | None:
@@ -38,6 +38,45 @@ def load_split(data: Any, split: str) -> ParallelCorpus | None:
     return load_dataset(data.dataset, names[data.dataset][split], data.src_lang, data.tgt_lang)
 
 
+# model fields a resumed run may change: they do not alter the shape or meaning of the weights
+RESUMABLE_MODEL_FIELDS = ("P_drop", "attention_dropout")
+
+
+def check_resume_overrides(saved: Config, resumed: Config, run_dir: Path) -> None:
+    """Refuse ``--set`` changes that cannot apply to the run's checkpoints (any model field
+    but dropout: they change the weights' shapes or meaning).
+
+    Raises:
+        UserError: naming the field, the checkpoint's value and the new one.
+    """
+    for name, old in saved.model.__dict__.items():
+        new = getattr(resumed.model, name)
+        if new != old and name not in RESUMABLE_MODEL_FIELDS:
+            raise UserError(f"--resume: model.{name} cannot change in a resumed run (its "
+                            f"checkpoints have {old!r}, --set gives {new!r}); train the new "
+                            f"shape in a new --run-dir (not {run_dir})")
+
+
+def _check_trainable(train: Any, corpus: ParallelCorpus, data: Any) -> None:
+    """Fail at once, saying why, when no training batch can exist (instead of a loop that
+    never finds one)."""
+    where = corpus.name
+    if data.dataset == "files":
+        where = f"{data.train_src} and {data.train_tgt}"
+    if len(corpus) == 0:
+        raise UserError(f"{where}: no training pairs (every line pair is empty: "
+                        f"{corpus.dropped_empty} dropped)")
+    if len(train) == 0:
+        raise UserError(f"{where}: none of the {len(corpus)} training pairs fits "
+                        f"data.max_len={data.max_len} tokens (source or target + EOS); "
+                        "raise data.max_len")
+    longest = int(max(train.src_lengths().max(), train.tgt_lengths().max()))
+    if longest > data.max_tokens:
+        raise UserError(f"{where}: a pair of {longest} tokens cannot fit a batch of "
+                        f"data.max_tokens={data.max_tokens}; raise data.max_tokens or lower "
+                        f"data.max_len (now {data.max_len})")
+
+
 def run_training(
     config: Config | None,
     run_dir: str | Path,
@@ -52,17 +91,25 @@ def run_training(
     """Train ``config`` into ``run_dir`` (or resume the run there) and return the summary.
 
     Without ``vocab_path`` a vocabulary of ``data.vocab_size`` is learned from the training
-    pairs; ``model.vocab_size`` is then set to its real size. ``config.json`` and
-    ``tokenizer.json`` are written into ``run_dir`` before training starts.
+    pairs; ``model.vocab_size`` is then set to its real size. Everything is checked before
+    anything is written: ``config.json`` and ``tokenizer.json`` are written into ``run_dir``
+    once the data is loaded and (when resuming) the checkpoint has been restored.
 
     Raises:
-        UserError: resuming without a checkpoint, or starting over one.
+        UserError: resuming without a checkpoint, starting over one, ``run_dir`` an existing
+            file, a resume that changes the model's shape, no usable training pair, a device
+            this machine lacks.
     """
     run_dir = Path(run_dir)
     info = DistInfo.from_env()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and info.world_size > 1:
-        dev = torch.device("cuda", info.local_rank)
+    dev = choose_device(device, info.local_rank)
+    check_output_dir(run_dir, "--run-dir")
+    init_distributed(dev)  # the one place a process group is joined
+    if info.is_main and run_dir.is_dir():
+        for line in recover_run_dir(run_dir):
+            log(f"aiayn train: {line}")
+    if info.world_size > 1:
+        dist.barrier()
     resume_from = None
     vocab = None
     if resume:
@@ -70,10 +117,10 @@ def run_training(
         if not found:
             raise UserError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
         resume_from = found[-1]
-        config = Config.from_dict(json.loads((run_dir / "config.json").read_text()),
-                                  source=str(run_dir / "config.json"))
-        if overrides:
-            config = config.with_overrides(overrides)  # e.g. a longer train.max_steps
+        saved = Config.from_dict(read_json_object(run_dir / "config.json"),
+                                 source=str(run_dir / "config.json"))
+        config = saved.with_overrides(overrides) if overrides else saved  # e.g. more steps
+        check_resume_overrides(saved, config, run_dir)
         vocab = Vocabulary.load(run_dir)
     elif list_checkpoints(run_dir):
         raise UserError(f"{run_dir} already holds checkpoints: add --resume to continue that "
@@ -84,6 +131,8 @@ def run_training(
         k = config.data.train_limit
         train_corpus = ParallelCorpus(train_corpus.src[:k], train_corpus.tgt[:k],
                                       train_corpus.name, train_corpus.dropped_empty)
+    if len(train_corpus) == 0:
+        _check_trainable([], train_corpus, config.data)
     valid_corpus = load_split(config.data, "valid")
     if vocab is None:
         if vocab_path:
@@ -93,30 +142,29 @@ def run_training(
                                      config.data.vocab_size, config.data.vocab_kind)
         if info.world_size > 1:  # one process learns, the others read its file
             if info.is_main:
+                run_dir.mkdir(parents=True, exist_ok=True)
                 vocab.save(run_dir)
-            if not dist.is_initialized():
-                dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
             dist.barrier()
             vocab = Vocabulary.load(run_dir)
         model_cfg = config.model.__class__(**{**config.model.__dict__,
                                               "vocab_size": len(vocab), "tgt_vocab_size": None})
         config = config.replace(model=model_cfg)
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        vocab.save(run_dir)
-        write_json_atomic(run_dir / "config.json", config.to_dict())
     train = encode_corpus(vocab, train_corpus, config.data.max_len)
+    _check_trainable(train, train_corpus, config.data)
     valid_enc = encode_corpus(vocab, valid_corpus, config.data.max_len) if valid_corpus else None
-    if info.is_main:
-        log(f"aiayn train: {len(train)} training pairs ({train.filtered} over "
-            f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
-            f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
-            f"run dir {run_dir}")
     trainer = Trainer(config, run_dir, vocab, train, valid_corpus, valid_enc, dev,
                       progress=progress)
     if resume_from is not None:
         trainer.resume(resume_from)
-        if info.is_main:
+    if info.is_main:  # validated and restored: only now is anything written
+        run_dir.mkdir(parents=True, exist_ok=True)
+        vocab.save(run_dir)
+        write_json_atomic(run_dir / "config.json", config.to_dict())
+        log(f"aiayn train: {len(train)} training pairs ({train.filtered} over "
+            f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
+            f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
+            f"run dir {run_dir}")
+        if resume_from is not None:
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step})")
     try:
         return trainer.fit()

@@ -1,0 +1,308 @@
+"""The HTTP server of ``aiayn serve``: a JSON API over one checkpoint, and a page at ``/``.
+
+Endpoints:
+
+* ``POST /translate`` ``{"lines": [...], "beam": 4, "alpha": 0.6, "nbest": 1}``: every line's
+  translations, best first, with score and log-probability (decoded in batches with other
+  requests, see :mod:`aiayn.serve.batcher`).
+* ``POST /attention`` ``{"source": "...", "target": "..."}``: every layer and head of the
+  three kinds of attention for one pair; without ``target``, the model's own beam output.
+* ``GET /health``: ``{"status": "ok"}``. ``GET /info``: the model's config, parameter count,
+  vocabulary size, decoding defaults and the server's limits.
+
+Every input is bounded (:class:`ServeLimits`). A body or request too large answers 413, bad
+JSON or settings 422, a full queue or too many requests in flight 429, a server shutting down
+503; the ``detail`` of each says what was too big or wrong and what the limit is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from importlib import resources
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from aiayn.serve.batcher import Batcher, QueueFullError, ShuttingDownError
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one server accepts (every field bounds memory or time).
+
+    Attributes:
+        max_body_bytes: request body size (413).
+        max_lines: lines per ``/translate`` request (413).
+        max_chars: characters per line or sentence (413).
+        max_attention_tokens: subword tokens of an ``/attention`` source or target: the
+            answer holds N * h * (S^2 + T^2 + T*S) weights (413).
+        max_concurrent: requests being answered at once, queued ones included (429).
+        max_queue_lines: lines waiting to be batched (429).
+        max_batch_lines: lines decoded together.
+        max_wait_ms: how long a request waits for others to share its batch.
+        max_beam: the largest beam a request may ask for (422).
+    """
+
+    max_body_bytes: int = 65536
+    max_lines: int = 32
+    max_chars: int = 1000
+    max_attention_tokens: int = 64
+    max_concurrent: int = 64
+    max_queue_lines: int = 256
+    max_batch_lines: int = 64
+    max_wait_ms: float = 10.0
+    max_beam: int = 16
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not value > 0 and not (name == "max_wait_ms" and value == 0):
+                raise ValueError(f"serve limit {name} must be > 0, got {value}")
+        if self.max_lines > self.max_queue_lines:
+            raise ValueError(f"max_lines={self.max_lines} exceeds max_queue_lines="
+                             f"{self.max_queue_lines}: such a request could never be queued")
+        if self.max_lines > self.max_batch_lines:
+            raise ValueError(f"max_lines={self.max_lines} exceeds max_batch_lines="
+                             f"{self.max_batch_lines}: such a request would not fit one batch")
+
+
+class TranslateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lines: list[str] = Field(description="sentences to translate, one per item")
+    beam: int | None = Field(None, ge=1, description="beam size; 1 = greedy")
+    alpha: float | None = Field(None, ge=0.0, le=10.0, description="length penalty exponent")
+    nbest: int = Field(1, ge=1, description="translations per line, <= beam")
+
+
+class AttentionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    source: str
+    target: str | None = Field(None, description="force this translation; none: beam output")
+    beam: int | None = Field(None, ge=1)
+    alpha: float | None = Field(None, ge=0.0, le=10.0)
+
+
+class BodyLimit:
+    """ASGI middleware: a body over ``max_bytes`` answers 413 before it is read in full."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.max_bytes
+        message = (f"request body too large: at most {limit} bytes are accepted")
+        for name, value in scope.get("headers", []):
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return await _send_json(send, 413, message + f", got {int(value)}")
+        received = 0
+        started = rejected = False
+
+        async def limited_receive():
+            nonlocal received, rejected
+            msg = await receive()
+            if msg["type"] == "http.request" and not rejected:
+                received += len(msg.get("body", b""))
+                if received > limit and not started:
+                    # answer now; the app sees a client that went away, and whatever it
+                    # answers to that is dropped below
+                    rejected = True
+                    await _send_json(send, 413, message + f", got more than {limit}")
+                    return {"type": "http.disconnect"}
+            return msg
+
+        async def guarded_send(msg):
+            nonlocal started
+            if rejected:
+                return
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        await self.app(scope, limited_receive, guarded_send)
+
+
+class ConcurrencyLimit:
+    """ASGI middleware: at most ``max_concurrent`` POST requests are answered at once; one more
+    answers 429 at once (no request waits unbounded)."""
+
+    def __init__(self, app, max_concurrent: int) -> None:
+        self.app = app
+        self.max_concurrent = max_concurrent
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.max_concurrent:
+            return await _send_json(
+                send, 429, f"too many requests in flight: {self.in_flight} are being answered "
+                f"(at most {self.max_concurrent}); retry later", {"retry-after": "1"})
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+async def _send_json(send, status: int, detail: str, headers: dict | None = None) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _validation_detail(err: RequestValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{where}: {e.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def create_app(model, config, vocab, limits: ServeLimits | None = None,
+               checkpoint: str | None = None) -> FastAPI:
+    """The ASGI application serving ``model`` (a :class:`~aiayn.model.Transformer`, put in
+    eval mode) with its ``config`` and ``vocab``.
+
+    The model runs on one worker thread; the batcher starts and stops with the app's lifespan
+    (stopping finishes every queued request first).
+    """
+    from aiayn.decoding import translate_nbest
+    from aiayn.model.transformer import count_parameters
+    from aiayn.viz.attention import attention_maps
+
+    limits = limits or ServeLimits()
+    model.eval()
+    decode = config.decode
+    max_len = config.model.max_len
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiayn-model")
+
+    def run_batch(lines: list[str], key: tuple[int, float, int]):
+        beam, alpha, nbest = key
+        return translate_nbest(model, vocab, lines, beam_size=beam, alpha=alpha, nbest=nbest,
+                               max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
+                               batch_size=limits.max_batch_lines, long_inputs="error")
+
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        batcher = Batcher(run_batch, max_batch_lines=limits.max_batch_lines,
+                          max_wait_s=limits.max_wait_ms / 1000,
+                          max_queue_lines=limits.max_queue_lines, executor=executor)
+        batcher.start()
+        state["batcher"] = batcher
+        try:
+            yield
+        finally:
+            await batcher.stop()
+            executor.shutdown(wait=True)
+
+    app = FastAPI(title="aiayn", lifespan=lifespan,
+                  description="Translate with a Transformer and look at its attention.")
+    app.add_middleware(ConcurrencyLimit, max_concurrent=limits.max_concurrent)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)  # outermost: runs first
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        return JSONResponse({"detail": _validation_detail(err)}, status_code=422)
+
+    def search_settings(beam: int | None, alpha: float | None, nbest: int = 1):
+        beam = decode.beam_size if beam is None else beam
+        alpha = decode.alpha if alpha is None else alpha
+        if beam > limits.max_beam:
+            raise HTTPException(422, f"beam {beam} is larger than this server allows "
+                                     f"(at most {limits.max_beam})")
+        if nbest > beam:
+            raise HTTPException(422, f"nbest {nbest} needs a beam at least as large "
+                                     f"(beam is {beam})")
+        return beam, alpha, nbest
+
+    def check_text(text: str, what: str, max_tokens: int) -> None:
+        if len(text) > limits.max_chars:
+            raise HTTPException(413, f"{what} has {len(text)} characters; at most "
+                                     f"{limits.max_chars} are accepted")
+        n = len(vocab.encode(text)) + 1  # with </s>
+        if n > max_tokens:
+            raise HTTPException(413, f"{what} has {n} subword tokens with </s>; at most "
+                                     f"{max_tokens} are accepted")
+
+    def batcher() -> Batcher:
+        return state["batcher"]
+
+    @app.post("/translate")
+    async def translate(req: TranslateRequest):
+        if not req.lines:
+            raise HTTPException(422, "lines is empty: give at least one sentence")
+        if len(req.lines) > limits.max_lines:
+            raise HTTPException(413, f"{len(req.lines)} lines in one request; at most "
+                                     f"{limits.max_lines} are accepted")
+        for n, line in enumerate(req.lines, 1):
+            if "\n" in line or "\r" in line:
+                raise HTTPException(422, f"line {n} contains a line break: send one sentence "
+                                         "per item of lines")
+            check_text(line, f"line {n}", max_len)
+        key = search_settings(req.beam, req.alpha, req.nbest)
+        try:
+            results, batch_lines = await batcher().submit(req.lines, key)
+        except QueueFullError as err:
+            raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from None
+        except ShuttingDownError as err:
+            raise HTTPException(503, str(err)) from None
+        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
+                                  for t in line] for line in results],
+                "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines}
+
+    @app.post("/attention")
+    async def attention(req: AttentionRequest):
+        if not req.source.strip():
+            raise HTTPException(422, "source is empty")
+        if req.target is not None and not req.target.strip():
+            raise HTTPException(422, "target is empty: leave it out to use the model's output")
+        check_text(req.source, "source", limits.max_attention_tokens)
+        if req.target is not None:
+            check_text(req.target, "target", limits.max_attention_tokens)
+        beam, alpha, _ = search_settings(req.beam, req.alpha)
+        # the model's own output may be longer than the bound on what a client may send
+        max_len_b = min(decode.max_len_b, limits.max_attention_tokens)
+        try:
+            maps = await batcher().run_exclusive(lambda: attention_maps(
+                model, vocab, req.source, req.target, beam_size=beam, alpha=alpha,
+                max_len_a=decode.max_len_a, max_len_b=max_len_b))
+        except RuntimeError as err:
+            if "shutdown" in str(err):
+                raise HTTPException(503, "the server is shutting down") from None
+            raise
+        return {"source": req.source, **maps.to_json()}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/info")
+    async def info():
+        return {"model": asdict(config.model), "parameters": count_parameters(model),
+                "vocab_size": len(vocab), "checkpoint": checkpoint,
+                "decode": {"beam": decode.beam_size, "alpha": decode.alpha,
+                           "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b},
+                "limits": asdict(limits)}
+
+    page = resources.files("aiayn.serve").joinpath("static/index.html").read_text("utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index():
+        return page
+
+    app.state.limits = limits
+    app.state.batcher = batcher
+    return app
+
+
+__all__ = ["ServeLimits", "create_app"]

@@ -1,0 +1,154 @@
+"""Dynamic batching: requests that arrive together are decoded as one batch.
+
+The first waiting request opens a window of ``max_wait_s``; the batch is run when the window
+closes or as soon as ``max_batch_lines`` lines are waiting, whichever comes first. Requests with
+different search settings (beam, alpha, n-best) are never mixed: the oldest request's settings
+pick the batch, and the others wait for the next one. The model runs on one worker thread, so
+it is never used by two batches at once and the event loop stays free to accept requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class QueueFullError(Exception):
+    """More lines are waiting than the queue holds (the server answers 429)."""
+
+
+class ShuttingDownError(Exception):
+    """The batcher no longer accepts work (the server answers 503)."""
+
+
+@dataclass
+class _Job:
+    lines: list[str]
+    key: Hashable
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class Batcher:
+    """Collects ``submit``-ted lines into batches for ``run_batch(lines, key) -> results``.
+
+    Args:
+        run_batch: called on the worker thread with the lines of one batch (in arrival order)
+            and the shared key; returns one result per line.
+        max_batch_lines: lines decoded together at most (a request is never split).
+        max_wait_s: how long the first waiting request waits for others to join its batch.
+        max_queue_lines: lines allowed to wait; a request that would exceed it is refused.
+        executor: the thread the model runs on (shared with other model work, such as the
+            attention endpoint, through :meth:`run_exclusive`).
+    """
+
+    def __init__(self, run_batch: Callable[[list[str], Any], list[Any]], *,
+                 max_batch_lines: int, max_wait_s: float, max_queue_lines: int,
+                 executor: ThreadPoolExecutor) -> None:
+        if max_batch_lines < 1 or max_queue_lines < 1 or max_wait_s < 0:
+            raise ValueError(f"bad batcher limits: max_batch_lines={max_batch_lines}, "
+                             f"max_queue_lines={max_queue_lines}, max_wait_s={max_wait_s}")
+        self.run_batch = run_batch
+        self.max_batch_lines = max_batch_lines
+        self.max_wait_s = max_wait_s
+        self.max_queue_lines = max_queue_lines
+        self.executor = executor
+        self._jobs: deque[_Job] = deque()
+        self._queued_lines = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self.batches_run = 0
+
+    @property
+    def queued_lines(self) -> int:
+        return self._queued_lines
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._worker())
+
+    async def stop(self) -> None:
+        """Refuse new work, finish every request already queued, then end the worker."""
+        self._closing = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+
+    async def submit(self, lines: list[str], key: Hashable) -> tuple[list[Any], int]:
+        """Queue ``lines`` and wait for their results.
+
+        Returns:
+            (one result per line, the number of lines in the batch they were decoded in).
+
+        Raises:
+            QueueFullError: the queue would hold more than ``max_queue_lines`` lines.
+            ShuttingDownError: :meth:`stop` was called.
+        """
+        if self._closing:
+            raise ShuttingDownError("the server is shutting down")
+        if self._queued_lines + len(lines) > self.max_queue_lines:
+            raise QueueFullError(
+                f"the queue is full: {self._queued_lines} lines are waiting and this request "
+                f"adds {len(lines)} (at most {self.max_queue_lines} may wait); retry later")
+        job = _Job(lines, key, asyncio.get_running_loop().create_future())
+        self._jobs.append(job)
+        self._queued_lines += len(lines)
+        self._wakeup.set()
+        return await job.future
+
+    async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the model's worker thread, between batches."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    def _take_batch(self) -> list[_Job]:
+        key = self._jobs[0].key
+        batch, lines, rest = [], 0, deque()
+        while self._jobs:
+            job = self._jobs.popleft()
+            if job.key == key and (not batch or lines + len(job.lines) <= self.max_batch_lines):
+                batch.append(job)
+                lines += len(job.lines)
+            else:
+                rest.append(job)
+        self._jobs = rest + self._jobs  # the others keep their places, oldest first
+        self._queued_lines -= lines
+        return batch
+
+    async def _worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._jobs:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            deadline = self._jobs[0].arrived + self.max_wait_s
+            while (not self._closing and self._queued_lines < self.max_batch_lines
+                   and (left := deadline - time.monotonic()) > 0):
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), left)
+                except TimeoutError:
+                    break
+            batch = self._take_batch()
+            lines = [line for job in batch for line in job.lines]
+            try:
+                results = await loop.run_in_executor(self.executor, self.run_batch, lines,
+                                                     batch[0].key)
+            except Exception as err:  # every waiting request learns of the failure
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(err)
+                continue
+            self.batches_run += 1
+            start = 0
+            for job in batch:
+                if not job.future.done():  # a client that went away cancels its future
+                    job.future.set_result((results[start : start + len(job.lines)], len(lines)))
+                start += len(job.lines)

@@ -1,0 +1,179 @@
+"""The small pieces the training loop is made of, each usable and testable alone: the metrics
+sink, the progress bar, the checkpointer and validation."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from aiayn.checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint
+from aiayn.config import Config
+from aiayn.data.batching import Batch, EncodedCorpus, collate, make_batches
+from aiayn.data.corpus import ParallelCorpus
+from aiayn.data.vocab import Vocabulary
+
+
+class MetricsSink:
+    """``RUN/metrics.jsonl`` (one JSON object per record) and TensorBoard events in ``RUN/tb``.
+    Disabled (every call a no-op) on processes other than the main one."""
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self.writer = None
+
+    def open(self) -> None:
+        if not self.enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(str(self.run_dir / "tb"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (with ``kind`` and ``step``) and add its numbers as scalars."""
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "kind") and isinstance(value, (int, float)):
+                    self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class Progress:
+    """A tqdm bar over updates, or over training seconds when a time budget ends the run."""
+
+    def __init__(self, enabled: bool, max_steps: int, time_budget_s: float, step: int,
+                 elapsed_s: float) -> None:
+        self.bar = None
+        self.by_time = bool(time_budget_s)
+        if not enabled:
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=int(time_budget_s) if self.by_time else max_steps,
+                        initial=int(elapsed_s) if self.by_time else step,
+                        unit="s" if self.by_time else "step", desc="train", dynamic_ncols=True,
+                        file=sys.stderr, mininterval=1.0,
+                        bar_format=("{l_bar}{bar}| {n_fmt}/{total_fmt} s of training "
+                                    "[{elapsed}<{remaining}{postfix}]") if self.by_time else None)
+
+    def update(self, step: int, elapsed_s: float, /, **postfix: Any) -> None:
+        if self.bar is None:
+            return
+        done = min(int(elapsed_s), self.bar.total) if self.by_time else step
+        self.bar.update(done - self.bar.n)
+        if postfix:
+            self.bar.set_postfix(**postfix)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Window:
+    """Token-weighted training figures since the last log line."""
+
+    def __init__(self) -> None:
+        self.tokens = self.loss = self.nll = 0.0
+        self.t0 = time.monotonic()
+
+    def add(self, fig: dict[str, float]) -> None:
+        self.tokens += fig["tokens"]
+        self.loss += fig["loss"] * fig["tokens"]
+        self.nll += fig["nll"] * fig["tokens"]
+
+    def record(self, step: int, epoch: int, lr: float, elapsed_s: float,
+               nonfinite_total: int) -> dict[str, Any]:
+        dt = max(time.monotonic() - self.t0, 1e-9)
+        return {"kind": "train", "step": step, "epoch": epoch,
+                "loss": self.loss / self.tokens, "nll": self.nll / self.tokens,
+                "ppl": math.exp(min(self.nll / self.tokens, 50.0)), "lr": lr,
+                "tokens_per_s": self.tokens / dt, "elapsed_s": round(elapsed_s, 2),
+                "nonfinite_total": nonfinite_total}
+
+
+def weights_finite(model: nn.Module) -> bool:
+    """Whether every parameter is finite (one fused norm)."""
+    norm = nn.utils.get_total_norm([p.detach() for p in model.parameters()])
+    return bool(torch.isfinite(norm))
+
+
+class Checkpointer:
+    """Writes ``RUN/checkpoints/step-N`` (with training state) and ``RUN/best``, keeps the last
+    ``keep_last`` steps, and never writes non-finite weights."""
+
+    def __init__(self, run_dir: str | Path, config: Config, vocab: Vocabulary,
+                 keep_last: int) -> None:
+        self.run_dir = Path(run_dir)
+        self.config = config
+        self.vocab = vocab
+        self.keep_last = keep_last
+
+    def save_step(self, model: nn.Module, meta: dict[str, Any],
+                  training_state: dict[str, Any]) -> Path:
+        path = self.run_dir / "checkpoints" / f"step-{meta['step']:08d}"
+        save_checkpoint(path, model, self.config, self.vocab, meta, training_state)
+        prune_checkpoints(self.run_dir, self.keep_last)
+        return path
+
+    def save_best(self, model: nn.Module, meta: dict[str, Any]) -> Path:
+        return save_checkpoint(self.run_dir / "best", model, self.config, self.vocab, meta)
+
+    def newest(self) -> Path | None:
+        found = list_checkpoints(self.run_dir)
+        return found[-1] if found else None
+
+
+BatchLoss = Callable[[nn.Module, Batch], "tuple[torch.Tensor, torch.Tensor, int]"]
+
+
+@torch.no_grad()
+def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
+                       vocab: Vocabulary, valid: ParallelCorpus | None,
+                       valid_encoded: EncodedCorpus | None,
+                       device: torch.device) -> dict[str, float]:
+    """Validation loss and perplexity (per target subword) and greedy BLEU (sacreBLEU, cased,
+    detokenized) on the first ``train.eval_bleu_sentences`` pairs. Leaves ``model`` in eval
+    mode."""
+    model.eval()
+    out: dict[str, float] = {}
+    if valid_encoded is not None and len(valid_encoded):
+        loss_sum = nll_sum = n = 0.0
+        order = make_batches(valid_encoded.src_lengths(), valid_encoded.tgt_lengths(),
+                             config.data.max_tokens, shuffle=False)
+        for idx in order:
+            loss, nll, k = batch_loss(model, collate(valid_encoded, idx).to(device))
+            loss_sum, nll_sum, n = loss_sum + float(loss), nll_sum + float(nll), n + k
+        out["valid_loss"] = loss_sum / n
+        out["valid_nll"] = nll_sum / n
+        out["valid_ppl"] = math.exp(min(nll_sum / n, 50.0))
+    k = config.train.eval_bleu_sentences
+    if valid is not None and k > 0:
+        from aiayn.decoding import translate_lines
+        from aiayn.evaluation.bleu import sacrebleu_scores
+
+        d = config.decode
+        hyps = translate_lines(model, vocab, valid.src[:k], beam_size=1, max_len_a=d.max_len_a,
+                               max_len_b=d.max_len_b, batch_size=d.batch_size,
+                               bf16=config.train.bf16)
+        scores = sacrebleu_scores(hyps, valid.tgt[:k])
+        out["valid_bleu"] = scores["bleu"]
+        out["valid_chrf"] = scores["chrf"]
+    return out

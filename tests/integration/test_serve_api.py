@@ -1,0 +1,247 @@
+"""``aiayn serve``'s JSON API over real HTTP (uvicorn on 127.0.0.1, httpx as the client), on a
+tiny random-weight checkpoint: every status code it answers (200, 404, 405, 413, 422, 429,
+503), that concurrent requests share a batch, that answers equal ``translate_nbest`` and
+``attention_maps`` called directly, and that SIGTERM lets the request in flight finish."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from serving import serve_in_thread, serve_process, tiny_checkpoint
+
+from aiayn.checkpoint import load_checkpoint
+from aiayn.decoding import translate_nbest
+from aiayn.serve import ServeLimits, create_app
+from aiayn.viz import attention_maps
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("serve") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def loaded(checkpoint):
+    return load_checkpoint(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def url(loaded):
+    model, config, vocab = loaded
+    limits = ServeLimits(max_body_bytes=4000, max_lines=4, max_chars=200,
+                         max_attention_tokens=20, max_batch_lines=8, max_wait_ms=5, max_beam=5)
+    with serve_in_thread(create_app(model, config, vocab, limits)) as base:
+        yield base
+
+
+def post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, timeout=30, **kw)
+
+
+def test_health_info_page_and_unknown_paths(url, loaded):
+    model, config, vocab = loaded
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    info = httpx.get(url + "/info").json()
+    assert info["model"]["N"] == config.model.N and info["model"]["h"] == config.model.h
+    assert info["vocab_size"] == len(vocab)
+    assert info["parameters"] == sum(p.numel() for p in model.parameters())
+    assert info["limits"]["max_lines"] == 4
+    page = httpx.get(url + "/")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert 'id="translate"' in page.text
+    assert httpx.get(url + "/nowhere").status_code == 404
+    assert httpx.get(url + "/translate").status_code == 405
+
+
+def test_translate_answers_what_translate_nbest_gives(url, loaded):
+    model, _, vocab = loaded
+    lines = ["Two dogs play in the snow.", "A man rides a bike."]
+    r = post(url, "/translate", {"lines": lines, "beam": 3, "alpha": 0.6, "nbest": 2})
+    assert r.status_code == 200
+    data = r.json()
+    direct = translate_nbest(model, vocab, lines, beam_size=3, alpha=0.6, nbest=2,
+                             max_len_a=0.5, max_len_b=6)
+    assert [[t["text"] for t in line] for line in data["translations"]] == \
+        [[t.text for t in line] for line in direct]
+    for got, want in zip(data["translations"], direct):
+        for g, w in zip(got, want):
+            assert g["score"] == pytest.approx(w.score, abs=1e-5)
+            assert g["log_prob"] == pytest.approx(w.log_prob, abs=1e-5)
+    assert (data["beam"], data["alpha"], data["nbest"]) == (3, 0.6, 2)
+    greedy = post(url, "/translate", {"lines": lines[:1], "beam": 1}).json()
+    assert greedy["translations"][0][0]["score"] == greedy["translations"][0][0]["log_prob"]
+
+
+def test_attention_answers_every_layer_and_head(url, loaded):
+    model, config, vocab = loaded
+    r = post(url, "/attention", {"source": "Two dogs play.", "target": "Zwei Hunde spielen."})
+    assert r.status_code == 200
+    data = r.json()
+    N, h = config.model.N, config.model.h
+    S, T = len(data["source_tokens"]), len(data["target_outputs"])
+    shapes = {k: v["shape"] for k, v in data["attention"].items()}
+    assert shapes == {"encoder": [N, h, S, S], "decoder": [N, h, T, T], "cross": [N, h, T, S]}
+    direct = attention_maps(model, vocab, "Two dogs play.", "Zwei Hunde spielen.")
+    assert data["attention"]["cross"]["weights"] == direct.to_json()["attention"]["cross"][
+        "weights"]
+    own = post(url, "/attention", {"source": "Two dogs play."}).json()
+    assert own["forced"] is False
+    assert own["target"] == post(url, "/translate", {"lines": ["Two dogs play."]}).json()[
+        "translations"][0][0]["text"]
+
+
+def test_concurrent_requests_are_decoded_as_one_batch(loaded):
+    model, config, vocab = loaded
+    limits = ServeLimits(max_lines=2, max_batch_lines=8, max_wait_ms=400)
+    results = []
+    with serve_in_thread(create_app(model, config, vocab, limits)) as base:
+        def one(i):
+            results.append(post(base, "/translate", {"lines": [f"Two dogs {i}."]}))
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # a batch starts when its window closes or it is full: 8 lines, or 4 x 2 lines here
+        full = [threading.Thread(target=lambda: results.append(post(
+            base, "/translate", {"lines": ["A man.", "A dog."]}))) for _ in range(4)]
+        start = time.monotonic()
+        for t in full:
+            t.start()
+        for t in full:
+            t.join()
+        full_s = time.monotonic() - start
+    assert all(r.status_code == 200 for r in results)
+    assert [r.json()["batch_lines"] for r in results[:4]] == [4, 4, 4, 4]
+    assert [r.json()["batch_lines"] for r in results[4:]] == [8, 8, 8, 8]
+    assert full_s < 5  # did not wait for a window that a full batch need not wait for
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"lines": ["x"] * 5}, "5 lines in one request; at most 4"),
+    ({"lines": ["a dog " * 40]}, "line 1 has 240 characters; at most 200"),
+])
+def test_413_names_what_was_too_big(url, body, message):
+    r = post(url, "/translate", body)
+    assert r.status_code == 413 and message in r.json()["detail"], r.text
+
+
+def test_413_for_a_line_over_the_model_max_len(url, loaded):
+    vocab = loaded[2]
+    line = "Two dogs " * 12  # 108 characters, more than max_len = 48 tokens
+    n = len(vocab.encode(line)) + 1
+    assert n > 48
+    r = post(url, "/translate", {"lines": ["ok", line]})
+    assert r.status_code == 413
+    assert f"line 2 has {n} subword tokens with </s>; at most 48" in r.json()["detail"]
+
+
+def test_413_for_bodies_and_attention_inputs(url):
+    big = {"lines": ["x" * 150] * 30}  # about 4.6 kB > 4000 bytes
+    r = post(url, "/translate", big)
+    assert r.status_code == 413
+    assert "request body too large: at most 4000 bytes" in r.json()["detail"]
+    chunks = (b'{"lines": ["' + b"x" * 100 + b'"' for _ in range(50))  # chunked, no length
+    r = httpx.post(url + "/translate", content=chunks,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "got more than 4000" in r.json()["detail"]
+    r = post(url, "/attention", {"source": "two dogs " * 20})
+    assert r.status_code == 413 and "source has" in r.json()["detail"]
+    assert "at most 20" in r.json()["detail"]
+
+
+@pytest.mark.parametrize("path, body, message", [
+    ("/translate", {}, "lines: Field required"),
+    ("/translate", {"lines": "a dog"}, "lines: Input should be a valid list"),
+    ("/translate", {"lines": ["a"], "beem": 4}, "beem: Extra inputs are not permitted"),
+    ("/translate", {"lines": ["a"], "beam": 0}, "beam: Input should be greater than or equal"),
+    ("/translate", {"lines": ["a"], "beam": 9}, "beam 9 is larger than this server allows"),
+    ("/translate", {"lines": ["a"], "beam": 2, "nbest": 3}, "nbest 3 needs a beam"),
+    ("/translate", {"lines": ["a"], "alpha": -1}, "alpha: Input should be greater than"),
+    ("/translate", {"lines": []}, "lines is empty"),
+    ("/translate", {"lines": ["a\nb"]}, "line 1 contains a line break"),
+    ("/attention", {"source": " "}, "source is empty"),
+    ("/attention", {"target": "x"}, "source: Field required"),
+])
+def test_422_says_what_is_wrong(url, path, body, message):
+    r = post(url, path, body)
+    assert r.status_code == 422 and message in r.json()["detail"], r.text
+
+
+def test_422_for_a_body_that_is_not_json(url):
+    r = httpx.post(url + "/translate", content=b"{lines:", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "JSON decode error" in r.json()["detail"]
+
+
+def _in_parallel(fns):
+    out = [None] * len(fns)
+
+    def call(i):
+        out[i] = fns[i]()
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(fns))]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.15)  # in this order
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_429_when_too_many_requests_are_in_flight(loaded):
+    model, config, vocab = loaded
+    limits = ServeLimits(max_concurrent=2, max_lines=1, max_batch_lines=4, max_wait_ms=1500)
+    with serve_in_thread(create_app(model, config, vocab, limits)) as base:
+        send = lambda: post(base, "/translate", {"lines": ["Two dogs."]})  # noqa: E731
+        first, second, third = _in_parallel([send, send, send])
+        after = send()
+    assert (first.status_code, second.status_code, third.status_code) == (200, 200, 429)
+    assert "too many requests in flight: 2 are being answered (at most 2)" in \
+        third.json()["detail"]
+    assert third.headers["retry-after"] == "1"
+    assert after.status_code == 200
+
+
+def test_429_when_the_queue_is_full(loaded):
+    model, config, vocab = loaded
+    limits = ServeLimits(max_queue_lines=4, max_lines=3, max_batch_lines=8, max_wait_ms=1500)
+    with serve_in_thread(create_app(model, config, vocab, limits)) as base:
+        first, second = _in_parallel([
+            lambda: post(base, "/translate", {"lines": ["a", "b", "c"]}),
+            lambda: post(base, "/translate", {"lines": ["d", "e"]})])
+    assert first.status_code == 200 and second.status_code == 429
+    assert "the queue is full: 3 lines are waiting and this request adds 2 (at most 4 may " \
+        "wait)" in second.json()["detail"]
+
+
+def test_503_once_the_batcher_has_stopped(loaded):
+    from fastapi.testclient import TestClient
+
+    model, config, vocab = loaded
+    app = create_app(model, config, vocab)
+    with TestClient(app) as client:
+        assert client.post("/translate", json={"lines": ["a dog"]}).status_code == 200
+        client.portal.call(app.state.batcher().stop)
+        r = client.post("/translate", json={"lines": ["a dog"]})
+    assert r.status_code == 503 and "shutting down" in r.json()["detail"]
+
+
+def test_sigterm_finishes_the_request_in_flight(checkpoint, tmp_path):
+    log = tmp_path / "serve.log"
+    with serve_process(checkpoint, "--max-wait-ms", "2500", log=log) as (proc, base):
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(r=post(
+            base, "/translate", {"lines": ["Two dogs play."]})))
+        thread.start()
+        time.sleep(0.8)  # the request now waits in its batch window
+        proc.send_signal(signal.SIGTERM)
+        thread.join(timeout=30)
+        rc = proc.wait(timeout=30)
+    assert box["r"].status_code == 200 and box["r"].json()["translations"][0][0]["text"]
+    assert rc == 0, log.read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(base + "/health", timeout=2)

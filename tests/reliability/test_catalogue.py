@@ -1,0 +1,466 @@
+"""A catalogue of bad inputs across every subcommand (issue 14, "Proof that stays").
+
+Each case runs ``aiayn ...`` in this process and asserts: exit code 2, no traceback, exactly one
+error line ``aiayn CMD: error: ...`` (argparse's usage line may precede its own errors) naming
+the file, line or value at fault, and no file in the workspace (inputs, the trained run and its
+checkpoints, earlier outputs) created, changed or deleted: every file is hashed before and after.
+
+The table in ``docs/reliability.md`` is generated from this catalogue: after changing a case or a
+message, regenerate it with ``AIAYN_WRITE_RELIABILITY_TABLE=1 pytest tests/reliability``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from rel_helpers import cli, tree_hashes, within
+
+from aiayn.checkpoint import list_checkpoints
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+RESULTS: dict[str, tuple[str, int | None, str]] = {}
+
+
+@dataclass(frozen=True)
+class Case:
+    command: str
+    what: str  # the bad input, in words
+    argv: tuple[str, ...]  # "{ws}" is replaced by the workspace folder
+    names: tuple[str, ...]  # the error line must contain each ("{ws}" replaced)
+    stdin: bytes = b""
+
+    @property
+    def id(self) -> str:
+        return f"{self.command}: {self.what}"
+
+
+def C(command: str, what: str, argv: str, *names: str, stdin: bytes = b"") -> Case:
+    return Case(command, what, tuple(argv.split()), names, stdin)
+
+
+RUN = "{ws}/run"
+CK = "{ws}/run/checkpoints/step-00000006"
+TR = "translate --checkpoint " + RUN + " -i {ws}/in.txt"
+EV = "evaluate --hyp {ws}/hyp.txt --ref {ws}/ref.txt"
+FILES = "--set data.dataset=files --set data.train_src={ws}/%s --set data.train_tgt={ws}/%s"
+
+CASES = [
+    # --- params ------------------------------------------------------------------------------
+    C("params", "unknown preset", "params --preset nosuch", "nosuch"),
+    C("params", "missing TOML file", "params --preset {ws}/missing.toml", "{ws}/missing.toml"),
+    C("params", "missing JSON file", "params --preset {ws}/missing.json", "{ws}/missing.json"),
+    C("params", "corrupt JSON config", "params --preset {ws}/bad.json", "{ws}/bad.json", "line"),
+    C("params", "JSON config that is a list", "params --preset {ws}/list.json",
+      "{ws}/list.json"),
+    C("params", "JSON config that is a number", "params --preset {ws}/number.json",
+      "{ws}/number.json"),
+    C("params", "corrupt TOML config", "params --preset {ws}/bad.toml", "{ws}/bad.toml"),
+    C("params", "TOML config not UTF-8", "params --preset {ws}/latin1.toml", "{ws}/latin1.toml"),
+    C("params", "unknown field in a config file", "params --preset {ws}/unknown.toml",
+      "{ws}/unknown.toml", "nope"),
+    C("params", "unknown section in a config file", "params --preset {ws}/section.toml",
+      "{ws}/section.toml", "optimizer"),
+    C("params", "'extends' two levels deep", "params --preset {ws}/deep.toml", "extends"),
+    C("params", "config field of the wrong type", "params --preset {ws}/wrongtype.json",
+      "{ws}/wrongtype.json", "'six'"),
+    C("params", "--set without '='", "params --set model.N", "model.N"),
+    C("params", "--set without a section", "params --set N=2", "N=2"),
+    C("params", "--set unknown section", "params --set optim.lr=1", "optim"),
+    C("params", "--set unknown field", "params --set model.nope=1", "nope"),
+    C("params", "--set a word for an int", "params --set model.N=two", "'two'"),
+    C("params", "--set a float for an int", "params --set model.N=2.5", "'2.5'"),
+    C("params", "--set zero layers", "params --set model.N=0", "N", "0"),
+    C("params", "--set negative d_model", "params --set model.d_model=-8", "d_model", "-8"),
+    C("params", "--set P_drop above 1", "params --set model.P_drop=1.5", "P_drop", "1.5"),
+    C("params", "--set NaN layer_norm_eps", "params --set model.layer_norm_eps=nan",
+      "layer_norm_eps", "nan"),
+    C("params", "--set infinite lr_scale", "params --set train.lr_scale=inf", "lr_scale", "inf"),
+    C("params", "--set NaN lr_scale", "params --set train.lr_scale=nan", "lr_scale", "nan"),
+    C("params", "--set a bool that is not one", "params --set model.share_embeddings=maybe",
+      "maybe"),
+    C("params", "--set unknown positional encoding", "params --set model.positional=rotary",
+      "rotary"),
+    C("params", "--set tied embeddings with two vocabularies",
+      "params --set model.tgt_vocab_size=100", "tgt_vocab_size=100"),
+    C("params", "--set pad_id outside the vocabulary", "params --set model.pad_id=99999",
+      "pad_id"),
+    C("params", "--vocab-size 0", "params --vocab-size 0", "vocab_size", "0"),
+    C("params", "--vocab-size not a number", "params --vocab-size abc", "'abc'"),
+    C("params", "--set unknown vocabulary kind", "params --set data.vocab_kind=sentencepiece",
+      "sentencepiece"),
+    C("params", "--set zero accumulation steps", "params --set train.accum_steps=0",
+      "accum_steps"),
+    C("params", "--set negative clip_norm", "params --set train.clip_norm=-1", "clip_norm"),
+    C("params", "--set beta2 of 1", "params --set train.adam_beta2=1.0", "adam_beta2"),
+    C("params", "--set NaN decode alpha", "params --set decode.alpha=nan", "alpha", "nan"),
+    # --- vocab -------------------------------------------------------------------------------
+    C("vocab", "nothing to learn from", "vocab -o {ws}/v", "--src"),
+    C("vocab", "missing --src file", "vocab --src {ws}/missing.txt --tgt {ws}/in.txt -o {ws}/v",
+      "{ws}/missing.txt"),
+    C("vocab", "a folder as --src", "vocab --src {ws}/folder --tgt {ws}/in.txt -o {ws}/v",
+      "{ws}/folder", "is a directory"),
+    C("vocab", "empty files", "vocab --src {ws}/empty.txt --tgt {ws}/empty.txt -o {ws}/v",
+      "{ws}/empty.txt"),
+    C("vocab", "blank-only files", "vocab --src {ws}/blank.txt --tgt {ws}/blank.txt -o {ws}/v",
+      "{ws}/blank.txt"),
+    C("vocab", "files of different lengths",
+      "vocab --src {ws}/in.txt --tgt {ws}/three.txt -o {ws}/v", "{ws}/in.txt", "{ws}/three.txt"),
+    C("vocab", "invalid UTF-8", "vocab --src {ws}/latin1.txt --tgt {ws}/latin1.txt -o {ws}/v",
+      "{ws}/latin1.txt", "line 2"),
+    C("vocab", "a broken gzip file", "vocab --src {ws}/broken.gz --tgt {ws}/broken.gz -o {ws}/v",
+      "{ws}/broken.gz"),
+    C("vocab", "a TSV line without a tab", "vocab --src {ws}/pairs.tsv -o {ws}/v",
+      "{ws}/pairs.tsv", "line 2"),
+    C("vocab", "--size of the special tokens only",
+      "vocab --src {ws}/in.txt --tgt {ws}/in.txt --size 4 -o {ws}/v", "4"),
+    C("vocab", "--size not a number", "vocab --src {ws}/in.txt --size x -o {ws}/v", "'x'"),
+    C("vocab", "--kind unknown", "vocab --src {ws}/in.txt --kind unigram -o {ws}/v", "unigram"),
+    C("vocab", "-o an existing file", "vocab --src {ws}/in.txt --tgt {ws}/in.txt -o {ws}/in.txt",
+      "{ws}/in.txt"),
+    C("vocab", "-o in a read-only place",
+      "vocab --src {ws}/in.txt --tgt {ws}/in.txt -o /proc/aiayn-vocab", "/proc/aiayn-vocab"),
+    C("vocab", "--dataset and --src", "vocab --dataset multi30k --src {ws}/in.txt -o {ws}/v",
+      "--dataset"),
+    C("vocab", "--tgt without --src", "vocab --tgt {ws}/in.txt -o {ws}/v", "--tgt"),
+    C("vocab", "unknown dataset split", "vocab --dataset multi30k --split nosuch -o {ws}/v",
+      "nosuch"),
+    C("vocab", "unknown dataset language", "vocab --dataset multi30k --src-lang xx -o {ws}/v",
+      "xx"),
+    C("vocab", "unknown dataset", "vocab --dataset wmt99 -o {ws}/v", "wmt99"),
+    C("vocab", "no -o", "vocab --src {ws}/in.txt", "-o"),
+    # --- train -------------------------------------------------------------------------------
+    C("train", "--run-dir an existing file", "train --preset tiny --run-dir {ws}/in.txt",
+      "{ws}/in.txt"),
+    C("train", "--run-dir in a read-only place", "train --preset tiny --run-dir /proc/aiayn-run",
+      "/proc/aiayn-run"),
+    C("train", "unknown preset", "train --preset nosuch --run-dir {ws}/r", "nosuch"),
+    C("train", "missing config file", "train --config {ws}/missing.json --run-dir {ws}/r",
+      "{ws}/missing.json"),
+    C("train", "corrupt JSON config", "train --config {ws}/bad.json --run-dir {ws}/r",
+      "{ws}/bad.json"),
+    C("train", "JSON config that is a list", "train --config {ws}/list.json --run-dir {ws}/r",
+      "{ws}/list.json"),
+    C("train", "corrupt TOML config", "train --config {ws}/bad.toml --run-dir {ws}/r",
+      "{ws}/bad.toml"),
+    C("train", "--config and --preset", "train --config {ws}/good.json --preset tiny "
+      "--run-dir {ws}/r", "--preset"),
+    C("train", "no --run-dir", "train --preset tiny", "--run-dir"),
+    C("train", "NaN lr_scale", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--set train.lr_scale=nan", "lr_scale", "nan"),
+    C("train", "infinite time budget", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--set train.time_budget_s=inf", "time_budget_s", "inf"),
+    C("train", "NaN layer_norm_eps", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--set model.layer_norm_eps=nan", "layer_norm_eps", "nan"),
+    C("train", "negative max_steps", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--set train.max_steps=-1", "max_steps", "-1"),
+    C("train", "unknown dataset", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--set data.dataset=nosuch", "nosuch"),
+    C("train", "files dataset without files", "train --preset tiny --run-dir {ws}/r "
+      "--set data.dataset=files", "data.train_src"),
+    C("train", "missing training file", "train --config {ws}/good.json --run-dir {ws}/r " +
+      FILES % ("missing.txt", "in.txt"), "{ws}/missing.txt"),
+    C("train", "a folder as training file", "train --config {ws}/good.json --run-dir {ws}/r " +
+      FILES % ("folder", "folder"), "{ws}/folder", "is a directory"),
+    C("train", "empty training files", "train --config {ws}/good.json --run-dir {ws}/r " +
+      FILES % ("empty.txt", "empty.txt"), "{ws}/empty.txt"),
+    C("train", "blank-only training files", "train --config {ws}/good.json --run-dir {ws}/r " +
+      FILES % ("blank.txt", "blank.txt"), "{ws}/blank.txt"),
+    C("train", "training files of different lengths", "train --config {ws}/good.json "
+      "--run-dir {ws}/r " + FILES % ("in.txt", "three.txt"), "{ws}/three.txt"),
+    C("train", "invalid UTF-8 training file", "train --config {ws}/good.json --run-dir {ws}/r "
+      + FILES % ("latin1.txt", "latin1.txt"), "{ws}/latin1.txt", "line 2"),
+    C("train", "a broken gzip training file", "train --config {ws}/good.json --run-dir {ws}/r "
+      + FILES % ("broken.gz", "broken.gz"), "{ws}/broken.gz"),
+    C("train", "max_len filters every pair", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--set data.max_len=3", "data.max_len=3"),
+    C("train", "a pair longer than max_tokens", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--set data.max_tokens=4", "data.max_tokens=4"),
+    C("train", "--vocab missing", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--vocab {ws}/missing-vocab", "{ws}/missing-vocab"),
+    C("train", "--vocab not a vocabulary", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--vocab {ws}/garbage.json", "{ws}/garbage.json"),
+    C("train", "--resume with no checkpoint", "train --run-dir {ws}/folder --resume",
+      "{ws}/folder"),
+    C("train", "a run dir with checkpoints, no --resume", "train --config {ws}/good.json "
+      "--run-dir " + RUN, RUN),
+    C("train", "--resume changing model.N", "train --run-dir " + RUN + " --resume "
+      "--set model.N=3", "model.N"),
+    C("train", "--resume changing model.d_model", "train --run-dir " + RUN + " --resume "
+      "--set model.d_model=64", "model.d_model"),
+    C("train", "--resume changing the vocabulary size", "train --run-dir " + RUN + " --resume "
+      "--set model.vocab_size=99", "model.vocab_size"),
+    C("train", "--resume changing model.norm", "train --run-dir " + RUN + " --resume "
+      "--set model.norm=pre", "model.norm"),
+    C("train", "--resume with a NaN override", "train --run-dir " + RUN + " --resume "
+      "--set train.lr_scale=nan", "lr_scale"),
+    C("train", "--resume of a run whose config.json is corrupt", "train --run-dir {ws}/badrun "
+      "--resume", "{ws}/badrun/config.json"),
+    C("train", "--device cuda without a GPU", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--device cuda", "cuda"),
+    C("train", "--device unknown", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--device tpu", "tpu"),
+    # --- average -----------------------------------------------------------------------------
+    C("average", "a run dir that does not exist", "average {ws}/nosuch", "{ws}/nosuch"),
+    C("average", "a run dir without checkpoints", "average {ws}/folder", "{ws}/folder"),
+    C("average", "a file as the run dir", "average {ws}/in.txt", "{ws}/in.txt"),
+    C("average", "--last 0", "average " + RUN + " --last 0", "0"),
+    C("average", "--last not a number", "average " + RUN + " --last x", "'x'"),
+    C("average", "-o the run dir itself", "average " + RUN + " -o " + RUN, RUN),
+    C("average", "-o a step checkpoint", "average " + RUN + " -o " + CK, CK),
+    C("average", "-o a new step-N in checkpoints/", "average " + RUN + " -o " + RUN +
+      "/checkpoints/step-00000099", "step-00000099"),
+    C("average", "-o best/", "average " + RUN + " -o " + RUN + "/best", RUN + "/best"),
+    C("average", "-o an existing file", "average " + RUN + " -o {ws}/in.txt", "{ws}/in.txt"),
+    C("average", "-o a folder of other files", "average " + RUN + " -o {ws}/folder",
+      "{ws}/folder"),
+    C("average", "a truncated checkpoint", "average {ws}/truncrun --last 2",
+      "{ws}/truncrun/checkpoints/step-00000006/model.safetensors"),
+    C("average", "checkpoints of different vocabularies", "average {ws}/mixrun --last 2",
+      "different vocabularies"),
+    C("average", "a corrupt meta.json", "average {ws}/metarun --last 1",
+      "{ws}/metarun/checkpoints/step-00000006/meta.json"),
+    # --- translate ---------------------------------------------------------------------------
+    C("translate", "no --checkpoint", "translate -i {ws}/in.txt", "--checkpoint"),
+    C("translate", "a missing checkpoint", "translate --checkpoint {ws}/nosuch -i {ws}/in.txt",
+      "{ws}/nosuch"),
+    C("translate", "a folder that holds no checkpoint",
+      "translate --checkpoint {ws}/folder -i {ws}/in.txt", "{ws}/folder"),
+    C("translate", "a checkpoint with a corrupt config.json",
+      "translate --checkpoint {ws}/badckpt -i {ws}/in.txt", "{ws}/badckpt/config.json"),
+    C("translate", "a truncated checkpoint",
+      "translate --checkpoint {ws}/truncrun/checkpoints/step-00000006 -i {ws}/in.txt",
+      "{ws}/truncrun/checkpoints/step-00000006/model.safetensors"),
+    C("translate", "a swapped tokenizer.json, meta.json gone",
+      "translate --checkpoint {ws}/swapckpt -i {ws}/in.txt", "{ws}/swapckpt"),
+    C("translate", "weights of another shape", "translate --checkpoint {ws}/shapeckpt "
+      "-i {ws}/in.txt", "{ws}/shapeckpt"),
+    C("translate", "missing input file", "translate --checkpoint " + RUN +
+      " -i {ws}/missing.txt", "{ws}/missing.txt"),
+    C("translate", "a folder as input", "translate --checkpoint " + RUN + " -i {ws}/folder",
+      "{ws}/folder", "is a directory"),
+    C("translate", "invalid UTF-8 input", "translate --checkpoint " + RUN +
+      " -i {ws}/latin1.txt", "{ws}/latin1.txt", "line 2"),
+    C("translate", "invalid UTF-8 on stdin", "translate --checkpoint " + RUN, "<stdin>",
+      "line 1", stdin=b"caf\xe9\n"),
+    C("translate", "a broken gzip input", "translate --checkpoint " + RUN +
+      " -i {ws}/broken.gz", "{ws}/broken.gz"),
+    C("translate", "-o a folder", TR + " -o {ws}/folder", "{ws}/folder"),
+    C("translate", "-o in a read-only folder", TR + " -o /proc/aiayn-out.txt",
+      "/proc/aiayn-out.txt"),
+    C("translate", "-o in a missing folder", TR + " -o {ws}/nosuch/out.txt",
+      "{ws}/nosuch/out.txt"),
+    C("translate", "--alpha NaN", TR + " --alpha nan", "--alpha", "nan"),
+    C("translate", "--alpha negative", TR + " --alpha -1", "--alpha", "-1"),
+    C("translate", "--max-len-b negative", TR + " --max-len-b -3", "--max-len-b", "-3"),
+    C("translate", "--max-len-a infinite", TR + " --max-len-a inf", "--max-len-a", "inf"),
+    C("translate", "--beam 0", TR + " --beam 0", "--beam", "0"),
+    C("translate", "--beam not a number", TR + " --beam four", "'four'"),
+    C("translate", "--batch-size 0", TR + " --batch-size 0", "--batch-size", "0"),
+    C("translate", "--nbest 0", TR + " --nbest 0", "--nbest", "0"),
+    C("translate", "--nbest above --beam", TR + " --nbest 3 --beam 2", "nbest", "got 3"),
+    C("translate", "--nbest with greedy search", TR + " --nbest 2 --beam 1", "nbest=2"),
+    C("translate", "--temperature 0", TR + " --sample --temperature 0", "temperature", "0"),
+    C("translate", "--temperature NaN", TR + " --sample --temperature nan", "temperature",
+      "nan"),
+    C("translate", "--top-p above 1", TR + " --sample --top-p 1.5", "top_p", "1.5"),
+    C("translate", "--top-k negative", TR + " --sample --top-k -1", "top_k", "-1"),
+    C("translate", "--device cuda without a GPU", TR + " --device cuda", "cuda"),
+    C("translate", "--device unknown", TR + " --device gpu", "gpu"),
+    C("translate", "a line too long with --reject-long", "translate --checkpoint " + RUN +
+      " -i {ws}/long.txt --reject-long", "line 1"),
+    # --- evaluate ----------------------------------------------------------------------------
+    C("evaluate", "neither --hyp nor --src", "evaluate --ref {ws}/ref.txt", "--hyp"),
+    C("evaluate", "--hyp and --src", "evaluate --hyp {ws}/hyp.txt --src {ws}/in.txt "
+      "--ref {ws}/ref.txt", "--src"),
+    C("evaluate", "--src without --checkpoint", "evaluate --src {ws}/in.txt --ref {ws}/ref.txt",
+      "--checkpoint"),
+    C("evaluate", "no reference", "evaluate --hyp {ws}/hyp.txt", "--ref"),
+    C("evaluate", "empty hypothesis and reference files",
+      "evaluate --hyp {ws}/empty.txt --ref {ws}/empty.txt", "{ws}/empty.txt"),
+    C("evaluate", "missing hypothesis file", "evaluate --hyp {ws}/missing.txt "
+      "--ref {ws}/ref.txt", "{ws}/missing.txt"),
+    C("evaluate", "a folder as hypotheses", "evaluate --hyp {ws}/folder --ref {ws}/ref.txt",
+      "{ws}/folder", "is a directory"),
+    C("evaluate", "missing reference file", "evaluate --hyp {ws}/hyp.txt "
+      "--ref {ws}/missing.txt", "{ws}/missing.txt"),
+    C("evaluate", "hypotheses and references of different lengths",
+      "evaluate --hyp {ws}/hyp.txt --ref {ws}/three.txt", "2 hypotheses but 3 references"),
+    C("evaluate", "invalid UTF-8 hypotheses", "evaluate --hyp {ws}/latin1.txt "
+      "--ref {ws}/ref.txt", "{ws}/latin1.txt", "line 2"),
+    C("evaluate", "missing --ref-tok file", EV.replace("--ref {ws}/ref.txt", "") +
+      "--ref-tok {ws}/missing.gz", "{ws}/missing.gz"),
+    C("evaluate", "an empty --src", "evaluate --checkpoint " + RUN + " --src {ws}/empty.txt "
+      "--ref {ws}/empty.txt", "{ws}/empty.txt"),
+    C("evaluate", "--output a folder", "evaluate --checkpoint " + RUN + " --src {ws}/in.txt "
+      "--ref {ws}/ref.txt --output {ws}/folder", "{ws}/folder"),
+    C("evaluate", "--alpha NaN", "evaluate --checkpoint " + RUN + " --src {ws}/in.txt "
+      "--ref {ws}/ref.txt --alpha nan", "--alpha", "nan"),
+    C("evaluate", "a missing checkpoint", "evaluate --checkpoint {ws}/nosuch --src {ws}/in.txt "
+      "--ref {ws}/ref.txt", "{ws}/nosuch"),
+    # --- plot --------------------------------------------------------------------------------
+    C("plot", "a run dir that does not exist", "plot {ws}/nosuch", "{ws}/nosuch"),
+    C("plot", "a folder without metrics", "plot {ws}/folder", "{ws}/folder"),
+    C("plot", "a corrupt metrics.jsonl", "plot {ws}/badmetrics",
+      "{ws}/badmetrics/metrics.jsonl", "line 2"),
+    C("plot", "-o a folder", "plot " + RUN + " -o {ws}/folder", "{ws}/folder"),
+    C("plot", "-o in a read-only folder", "plot " + RUN + " -o /proc/curves.png",
+      "/proc/curves.png"),
+    # --- pipeline ----------------------------------------------------------------------------
+    C("pipeline", "unknown preset", "pipeline --preset nosuch --run-dir {ws}/p", "nosuch"),
+    C("pipeline", "a dataset without a test split", "pipeline --preset tiny --run-dir {ws}/p "
+      "--set data.dataset=files --set data.train_src={ws}/in.txt "
+      "--set data.train_tgt={ws}/in.txt", "data.dataset='files'"),
+    C("pipeline", "--run-dir an existing file", "pipeline --preset tiny --run-dir {ws}/in.txt",
+      "{ws}/in.txt"),
+    C("pipeline", "--device cuda without a GPU", "pipeline --preset tiny --run-dir {ws}/p "
+      "--device cuda", "cuda"),
+    C("pipeline", "NaN time budget", "pipeline --preset tiny --run-dir {ws}/p "
+      "--time-budget-min nan", "time_budget_s", "nan"),
+    C("pipeline", "--average 0", "pipeline --preset tiny --run-dir {ws}/p --average 0",
+      "--average", "0"),
+    C("pipeline", "--resume with no checkpoint", "pipeline --preset tiny --run-dir {ws}/folder "
+      "--resume", "{ws}/folder"),
+    C("pipeline", "unknown target language", "pipeline --preset tiny --run-dir {ws}/p "
+      "--tgt-lang xx", "xx"),
+    C("pipeline", "same source and target language", "pipeline --preset tiny "
+      "--run-dir {ws}/p --src-lang de --tgt-lang de", "'de'"),
+    # --- no command ------------------------------------------------------------------------
+    C("aiayn", "unknown subcommand", "transalte", "transalte"),
+]
+
+
+def _swap_two_tokens(ckpt: Path) -> None:
+    tok_file = ckpt / "tokenizer.json"
+    tok = json.loads(tok_file.read_text(encoding="utf-8"))
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tok_file.write_text(json.dumps(tok), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def ws(trained_run: Path, tmp_path_factory) -> Path:
+    """The workspace: a trained run, damaged copies of it, and good and bad input files."""
+    ws = tmp_path_factory.mktemp("ws")
+    shutil.copytree(trained_run, ws / "run")
+    w = lambda name, data: (ws / name).write_bytes(  # noqa: E731
+        data if isinstance(data, bytes) else data.encode("utf-8"))
+    w("in.txt", "a b c\nd e f\n")
+    w("hyp.txt", "a b c\nd e f\n")
+    w("ref.txt", "a b c\nd e g\n")
+    w("three.txt", "a\nb\nc\n")
+    w("empty.txt", "")
+    w("blank.txt", "\n  \n\t\n")
+    w("latin1.txt", "fine\ncaf\xe9\n".encode("latin-1"))
+    w("broken.gz", gzip.compress(b"a b c\n" * 100)[:30])
+    w("pairs.tsv", "a b\tc d\nno tab here\n")
+    w("long.txt", " ".join(["a"] * 200) + "\n")
+    w("bad.json", '{"model": {"N": 2,')
+    w("list.json", "[1, 2]")
+    w("number.json", "42")
+    w("bad.toml", "[model\nN = 2\n")
+    w("latin1.toml", "[model]\n# caf\xe9\n".encode("latin-1"))
+    w("unknown.toml", "[model]\nnope = 1\n")
+    w("section.toml", "[optimizer]\nlr = 1\n")
+    w("mid.toml", 'extends = "tiny-copy.toml"\n')
+    w("tiny-copy.toml", 'extends = "x.toml"\n')
+    w("deep.toml", 'extends = "mid.toml"\n')
+    w("wrongtype.json", '{"model": {"N": "six"}}')
+    w("garbage.json", "not a tokenizer")
+    (ws / "folder").mkdir()
+    (ws / "folder" / "notes.txt").write_text("someone's notes\n")
+    shutil.copytree(trained_run.parent / "data", ws / "data")
+    good = json.loads((ws / "run" / "config.json").read_text())
+    for key in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
+        good["data"][key] = str(ws / "data" / Path(good["data"][key]).name)
+    w("good.json", json.dumps(good))
+    # damaged copies
+    shutil.copytree(ws / "run", ws / "badrun")
+    (ws / "badrun" / "config.json").write_text("{")
+    shutil.copytree(ws / "run", ws / "truncrun")
+    weights = ws / "truncrun" / "checkpoints" / "step-00000006" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    shutil.copytree(ws / "run", ws / "mixrun")
+    meta = ws / "mixrun" / "checkpoints" / "step-00000004" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "vocab_fingerprint": "f" * 64}))
+    shutil.copytree(ws / "run", ws / "metarun")
+    (ws / "metarun" / "checkpoints" / "step-00000006" / "meta.json").write_text("[")
+    newest = list_checkpoints(ws / "run")[-1]
+    shutil.copytree(newest, ws / "badckpt")
+    (ws / "badckpt" / "config.json").write_text("{")
+    shutil.copytree(newest, ws / "swapckpt")
+    (ws / "swapckpt" / "meta.json").unlink()
+    _swap_two_tokens(ws / "swapckpt")
+    shutil.copytree(newest, ws / "shapeckpt")
+    cfg = json.loads((ws / "shapeckpt" / "config.json").read_text())
+    cfg["model"]["d_ff"] = 2 * cfg["model"]["d_ff"]
+    (ws / "shapeckpt" / "config.json").write_text(json.dumps(cfg))
+    shutil.copytree(ws / "run", ws / "badmetrics")
+    (ws / "badmetrics" / "metrics.jsonl").write_text('{"kind": "train", "step": 1}\n{oops\n')
+    return ws
+
+
+def _fill(text: str, ws: Path) -> str:
+    return text.replace("{ws}", str(ws))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, ws: Path) -> None:
+    before = tree_hashes(ws)
+    with within(60):
+        res = cli([_fill(a, ws) for a in case.argv], stdin=case.stdin)
+    error_lines = [line for line in res.err.splitlines() if line.startswith("aiayn")]
+    shown = error_lines[0] if error_lines else res.first_line
+    RESULTS[case.id] = (" ".join(case.argv), res.code, shown.replace(str(ws), "WS"))
+    assert res.exception == "", res.exception
+    assert res.code == 2, (res.code, res.err)
+    assert "Traceback" not in res.err
+    assert len(error_lines) == 1, res.err
+    others = [line for line in res.err.splitlines()
+              if line.strip() and line not in error_lines and not line.startswith("usage:")
+              and not line.startswith(" ")]
+    assert not others, res.err  # one line (argparse may show its usage first)
+    for name in case.names:
+        assert _fill(name, ws) in shown, (name, shown)
+    assert tree_hashes(ws) == before, "a file changed, appeared or vanished"
+
+
+def test_the_catalogue_is_large_and_the_table_is_current() -> None:
+    assert len(CASES) >= 100
+    assert len({c.id for c in CASES}) == len(CASES)
+    assert {c.command for c in CASES} >= {"params", "vocab", "train", "average", "translate",
+                                          "evaluate", "plot", "pipeline"}
+    if len(RESULTS) < len(CASES):
+        pytest.skip("run the whole catalogue to check the table")
+    table = render_table()
+    if os.environ.get("AIAYN_WRITE_RELIABILITY_TABLE"):
+        DOC.write_text(table, encoding="utf-8")
+    assert DOC.read_text(encoding="utf-8") == table, (
+        "docs/reliability.md is out of date: AIAYN_WRITE_RELIABILITY_TABLE=1 pytest "
+        "tests/reliability")
+
+
+def render_table() -> str:
+    rows = ["# What `aiayn` does with bad input",
+            "",
+            "Generated from the catalogue in `tests/reliability/test_catalogue.py` (CI runs it). "
+            "Every case below exits with code 2, prints no traceback and one error line naming "
+            "the file, line or value at fault, and leaves every file of the workspace (inputs, "
+            "the trained run, its checkpoints, earlier outputs) byte-for-byte unchanged: each "
+            "is hashed before and after. `WS` is the test's workspace folder.",
+            "",
+            f"{len(CASES)} cases.",
+            "",
+            "| # | command | bad input | exit | the line the user sees |",
+            "|---|---|---|---|---|"]
+    for n, case in enumerate(CASES, 1):
+        _, code, line = RESULTS[case.id]
+        line = line.replace("|", "\\|")
+        rows.append(f"| {n} | `{case.command}` | {case.what} | {code} | `{line}` |")
+    return "\n".join(rows) + "\n"

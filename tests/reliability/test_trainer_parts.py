@@ -1,0 +1,63 @@
+"""The trainer's parts: an injected model, optimizer and metrics sink are the ones used, and
+the pad id comes from the vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from rel_helpers import small_config
+
+from aiayn.data.batching import encode_corpus
+from aiayn.data.vocab import Vocabulary
+from aiayn.model import Transformer
+from aiayn.training.loop import Trainer, build_model
+from aiayn.training.parts import MetricsSink
+from aiayn.training.run import load_split
+
+
+class MemorySink(MetricsSink):
+    def __init__(self) -> None:
+        super().__init__("unused", enabled=False)
+        self.records: list[dict] = []
+
+    def log(self, record: dict) -> None:
+        self.records.append(record)
+
+
+def _setup(tmp_path: Path):
+    cfg = small_config(tmp_path / "data", max_steps=4, checkpoint_every_steps=0,
+                       eval_every_steps=2, eval_bleu_sentences=2)
+    corpus = load_split(cfg.data, "train")
+    vocab = Vocabulary.learn(corpus.src + corpus.tgt, 40)
+    cfg = cfg.replace(model=replace(cfg.model, vocab_size=len(vocab)))
+    return cfg, vocab, encode_corpus(vocab, corpus, 32), load_split(cfg.data, "valid")
+
+
+def test_injected_model_optimizer_and_sink_are_used(tmp_path: Path) -> None:
+    cfg, vocab, train, valid = _setup(tmp_path)
+    model = build_model(cfg, torch.device("cpu"), seed=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    sink = MemorySink()
+    trainer = Trainer(cfg, tmp_path / "run", vocab, train, valid,
+                      encode_corpus(vocab, valid, 32), progress=False, model=model,
+                      optimizer=optimizer, metrics=sink)
+    summary = trainer.fit()
+    assert trainer.model is model and trainer.optimizer is optimizer
+    assert summary["steps"] == 4
+    assert [r["step"] for r in sink.records if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert [r["step"] for r in sink.records if r["kind"] == "valid"] == [2, 4]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # the sink got them instead
+    assert all(g["lr"] > 0 for g in optimizer.param_groups)  # the §5.3 schedule drove it
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_pad_id_must_be_the_vocabularys(tmp_path: Path) -> None:
+    cfg, vocab, train, _ = _setup(tmp_path)
+    bad = cfg.replace(model=replace(cfg.model, pad_id=3))
+    with pytest.raises(ValueError, match="pad_id=3"):
+        Trainer(bad, tmp_path / "run", vocab, train, progress=False,
+                model=Transformer(bad.model))
