@@ -80,6 +80,12 @@ class ModelConfig:
     layer_norm_eps: float = 1e-6
     pad_id: int = 0
     attention_window: int | None = None  # r of §4's restricted self-attention; None: all
+    # Options for models imported from Hugging Face Marian / OPUS-MT (`aiayn convert`); the
+    # defaults are the paper's choices.
+    ffn_activation: str = "relu"  # §3.3 max(0, ·); OPUS-MT uses "swish" (x * sigmoid(x))
+    positional_layout: str = "interleaved"  # §3.5 sin at 2i, cos at 2i+1; Marian: "halves"
+    final_logits_bias: bool = False  # a (V_tgt,) bias added to the output logits (Marian)
+    decoder_start_id: int = 1  # first decoder input: BOS (id 1); Marian starts with pad
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -90,6 +96,8 @@ class ModelConfig:
         _probability(self, "P_drop", "attention_dropout")
         _choice(self, "positional", ("sinusoidal", "learned"))
         _choice(self, "norm", ("post", "pre"))
+        _choice(self, "ffn_activation", ("relu", "swish"))
+        _choice(self, "positional_layout", ("interleaved", "halves"))
         if self.tgt_vocab_size is not None:
             _positive(self, "tgt_vocab_size")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):
@@ -99,6 +107,9 @@ class ModelConfig:
             )
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary")
+        if not 0 <= self.decoder_start_id < self.target_vocab_size:
+            raise ValueError(f"ModelConfig.decoder_start_id={self.decoder_start_id} is outside "
+                             f"the target vocabulary of {self.target_vocab_size}")
 
     @property
     def target_vocab_size(self) -> int:
@@ -174,10 +185,12 @@ class DecodeConfig:
     max_len_a: float = 1.0  # maximum output length = max_len_a * input length + max_len_b
     max_len_b: int = 50
     batch_size: int = 64  # sentences decoded together
+    beam_rules: str = "t2t"  # "hf" in models converted from Hugging Face (see beam_search)
 
     def __post_init__(self) -> None:
         _check_fields(self)
         _positive(self, "beam_size", "batch_size")
+        _choice(self, "beam_rules", ("t2t", "hf"))
         _non_negative(self, "alpha", "max_len_a", "max_len_b")
 
 

@@ -26,6 +26,7 @@ COMMANDS = {
     "params": "aiayn.cli.params",
     "experiment": "aiayn.cli.experiment",
     "parse": "aiayn.cli.parse",
+    "convert": "aiayn.cli.convert",
 }
 
 

@@ -110,6 +110,11 @@ class Vocabulary:
     def from_json(cls, text: str, source: str = "vocabulary") -> Vocabulary:
         try:
             data = json.loads(text)
+            if isinstance(data, dict) and data.get("aiayn_kind") == "sentencepiece":
+                # separate source/target SentencePiece models (a converted Marian model)
+                from aiayn.data.sentencepiece_vocab import SentencePieceVocabulary
+
+                return SentencePieceVocabulary.from_dict(data, source)
             kind = data.pop("aiayn_kind", "bpe")
             tokenizer = Tokenizer.from_str(json.dumps(data))
         except Exception as err:  # tokenizers raises its own Exception type

@@ -87,11 +87,13 @@ def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def _log_probs(logits: Tensor, t: int, max_lens: Tensor, min_len: int) -> Tensor:
+def _log_probs(logits: Tensor, t: int, max_lens: Tensor, min_len: int,
+               free_forced_eos: bool = False) -> Tensor:
     """(n, V) logits -> float32 log-probabilities with the length rules applied.
 
     PAD and BOS are banned; EOS is banned while t < min_len; rows with t >= max_lens may only
-    take EOS. ``max_lens``: long (n,).
+    take EOS, at its own log-probability (or at 0 with ``free_forced_eos``, as Hugging Face's
+    ``forced_eos_token_id`` does). ``max_lens``: long (n,).
     """
     logp = F.log_softmax(logits.float(), dim=-1)
     logp[:, PAD_ID] = NEG_INF
@@ -102,7 +104,7 @@ def _log_probs(logits: Tensor, t: int, max_lens: Tensor, min_len: int) -> Tensor
     if bool(at_max.any()):
         eos = logp[:, EOS_ID].clone()
         logp[at_max] = NEG_INF
-        logp[at_max, EOS_ID] = eos[at_max]
+        logp[at_max, EOS_ID] = 0.0 if free_forced_eos else eos[at_max]
     return logp
 
 
@@ -205,6 +207,7 @@ def beam_search(
     alpha: float = 0.6,
     nbest: int = 1,
     min_len: int = 0,
+    rules: str = "t2t",
 ) -> list[list[Hypothesis]]:
     """Beam search with the length penalty of Wu et al. (2016), §6.1, for B sentences at once.
 
@@ -230,6 +233,10 @@ def beam_search(
         alpha: length penalty exponent, >= 0 (0: rank by raw log-probability).
         nbest: hypotheses returned per sentence, 1 <= nbest <= K.
         min_len: EOS is banned before this many tokens.
+        rules: "t2t" (tensor2tensor, the paper's code): every EOS extension among the 2K best
+            finishes a hypothesis. "hf" (Hugging Face ``generate``, fairseq): only those ranked
+            among the K best do, and the EOS forced at the length limit costs nothing; with
+            ``alpha=0`` (``length_penalty=0.0`` there) the outputs are ``generate``'s.
 
     Returns:
         For each sentence in input order, ``nbest`` hypotheses, best first (fewer only when
@@ -245,6 +252,8 @@ def beam_search(
         raise ValueError(f"nbest must be in [1, beam_size={beam_size}], got {nbest}")
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0 (early termination relies on it), got {alpha}")
+    if rules not in ("t2t", "hf"):
+        raise ValueError(f"rules must be 't2t' or 'hf', got {rules!r}")
     K = beam_size
     B = max_lens.shape[0]
     device = max_lens.device
@@ -264,7 +273,7 @@ def beam_search(
     while True:
         n = live.shape[0]
         row_lens = lens.repeat_interleave(K)
-        logp = _log_probs(step(last), t, row_lens, min_len)  # (n*K, V)
+        logp = _log_probs(step(last), t, row_lens, min_len, rules == "hf")  # (n*K, V)
         V = logp.shape[-1]
         cand = (live.unsqueeze(2) + logp.view(n, K, V)).view(n, K * V)
         top, idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K)
@@ -273,8 +282,11 @@ def beam_search(
         # --- finished: merge EOS extensions into the K best finished ------------------------
         seq = torch.cat([live_tokens.gather(1, beam[:, :, None].expand(-1, -1, t)),
                          tok.unsqueeze(2)], dim=2)  # (n, 2K, t+1)
-        new_score = torch.where(is_eos, top / length_penalty(t + 1, alpha), NEG_INF)
-        new_logp = torch.where(is_eos, top, NEG_INF)
+        finishing = is_eos
+        if rules == "hf":  # an EOS ranked below the K best neither finishes nor stays live
+            finishing = is_eos & (torch.arange(is_eos.shape[1], device=device) < K)
+        new_score = torch.where(finishing, top / length_penalty(t + 1, alpha), NEG_INF)
+        new_logp = torch.where(finishing, top, NEG_INF)
         pad = torch.full((n, K, 1), EOS_ID, dtype=torch.long, device=device)
         all_tokens = torch.cat([torch.cat([fin_tokens, pad], dim=2), seq], dim=1)
         all_score = torch.cat([fin_score, new_score], dim=1)
@@ -335,6 +347,8 @@ class CachedStep:
         return cls(model, model.start_cache(memory, src_mask))
 
     def __call__(self, tokens: Tensor) -> Tensor:
+        if self.cache.length == 0:  # BOS, or the model's own start token (Marian: pad)
+            tokens = torch.full_like(tokens, self.model.config.decoder_start_id)
         return self.model.decode_step(tokens[:, None], self.cache)[:, -1]  # (n, V)
 
     def select(self, index: Tensor) -> CachedStep:
@@ -357,6 +371,8 @@ class UncachedStep:
         return cls(model, memory, src_mask)
 
     def __call__(self, tokens: Tensor) -> Tensor:
+        if self.prefix.shape[1] == 0:  # BOS, or the model's own start token (Marian: pad)
+            tokens = torch.full_like(tokens, self.model.config.decoder_start_id)
         self.prefix = torch.cat([self.prefix, tokens[:, None]], dim=1)  # (n, t+1)
         return self.model.decode(self.prefix, self.memory, self.src_mask)[:, -1]
 

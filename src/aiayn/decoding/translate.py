@@ -94,6 +94,8 @@ def translate_nbest(
     bf16: bool = False,
     use_cache: bool = True,
     min_len: int = 0,
+    beam_rules: str = "t2t",
+    fast: str | None = None,
     long_inputs: str = "truncate",
     warn: Callable[[str], None] | None = None,
     progress: bool = False,
@@ -112,6 +114,9 @@ def translate_nbest(
         bf16: run the model under ``torch.autocast(dtype=torch.bfloat16)``.
         use_cache: False reruns the decoder over the whole prefix each step (benchmarks).
         min_len: ban EOS before this many tokens (benchmarks fix output lengths with it).
+        beam_rules: "t2t" or "hf"; see :func:`~aiayn.decoding.search.beam_search`'s ``rules``.
+        fast: None (the reference step, :class:`CachedStep`), or "fp32", "bf16" or "int8":
+            decode with :class:`aiayn.decoding.fast.FastStep` and decoder weights in that type.
         long_inputs: "truncate" (warn) or "error"; see :func:`encode_sources`.
         progress: show a tqdm bar (sentences) on stderr.
 
@@ -128,13 +133,14 @@ def translate_nbest(
     try:
         return _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b,
                           batch_size, nbest, sampling, bf16, use_cache, min_len, long_inputs,
-                          warn, progress)
+                          warn, progress, beam_rules, fast)
     finally:
         model.train(was_training)
 
 
 def _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batch_size, nbest,
-               sampling, bf16, use_cache, min_len, long_inputs, warn, progress):
+               sampling, bf16, use_cache, min_len, long_inputs, warn, progress,
+               beam_rules="t2t", fast=None):
     device = next(model.parameters()).device
     max_len = model.config.max_len
     sources = encode_sources(vocab, lines, max_len, long_inputs=long_inputs, warn=warn)
@@ -148,6 +154,11 @@ def _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batc
         bar.update(len(lines) - len(todo))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext())
+    fast_decoder = None
+    if fast is not None:
+        from aiayn.decoding.fast import FastDecoder
+
+        fast_decoder = FastDecoder(model, fast)
     with torch.inference_mode(), autocast:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
@@ -155,13 +166,16 @@ def _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batc
             memory, src_mask = model.encode(src)
             src_lengths = src_mask.sum(dim=1) - 1  # without EOS
             max_lens = max_output_lengths(src_lengths, max_len_a, max_len_b, max_len)
-            step = (CachedStep if use_cache else UncachedStep).start(model, memory, src_mask)
+            if fast_decoder is not None:
+                step = fast_decoder.start(memory, src_mask, int(max_lens.max()) + 1)
+            else:
+                step = (CachedStep if use_cache else UncachedStep).start(model, memory, src_mask)
             if sampling is not None or beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
                                                    sampling=sampling)]
             else:
                 hyps = beam_search(step, max_lens, beam_size=beam_size, alpha=alpha,
-                                   nbest=nbest, min_len=min_len)
+                                   nbest=nbest, min_len=min_len, rules=beam_rules)
             for i, hs in zip(chunk, hyps):
                 results[i] = [_to_translation(vocab, h) for h in hs]
             if bar is not None:

@@ -23,10 +23,12 @@ from aiayn.config import ModelConfig
 from aiayn.model.cache import DecoderCache
 
 
-def sinusoid_table(max_len: int, d_model: int) -> Tensor:
+def sinusoid_table(max_len: int, d_model: int, layout: str = "interleaved") -> Tensor:
     """Positional encodings of §3.5, shape (max_len, d_model), float32.
 
     PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d_model)).
+    ``layout="halves"`` (Marian / OPUS-MT) holds the same values with all sines first, then
+    all cosines: column i is the sine of frequency i, column ceil(d/2) + i its cosine.
     """
     pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (max_len, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (ceil(d/2),)
@@ -34,6 +36,10 @@ def sinusoid_table(max_len: int, d_model: int) -> Tensor:
     table = torch.zeros(max_len, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(angle)
     table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    if layout == "halves":
+        table = torch.cat([table[:, 0::2], table[:, 1::2]], dim=1)
+    elif layout != "interleaved":
+        raise ValueError(f"layout must be 'interleaved' or 'halves', got {layout!r}")
     return table.float()
 
 
@@ -43,13 +49,15 @@ class PositionalEncoding(nn.Module):
     ``forward(length, offset)`` returns (length, d_model) for positions offset … offset+length-1.
     """
 
-    def __init__(self, d_model: int, max_len: int, learned: bool = False) -> None:
+    def __init__(self, d_model: int, max_len: int, learned: bool = False,
+                 layout: str = "interleaved") -> None:
         super().__init__()
         self.max_len = max_len
         if learned:
             self.table = nn.Parameter(torch.empty(max_len, d_model).normal_(0.0, d_model**-0.5))
         else:
-            self.register_buffer("table", sinusoid_table(max_len, d_model), persistent=False)
+            self.register_buffer("table", sinusoid_table(max_len, d_model, layout),
+                                 persistent=False)
 
     def forward(self, length: int, offset: int = 0) -> Tensor:
         if offset + length > self.max_len:
@@ -196,15 +204,19 @@ class MultiHeadAttention(nn.Module):
 
 
 class PositionwiseFeedForward(nn.Module):
-    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, §3.3; (B, L, d_model) -> (B, L, d_model)."""
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, §3.3; (B, L, d_model) -> (B, L, d_model).
 
-    def __init__(self, d_model: int, d_ff: int) -> None:
+    ``activation="swish"`` replaces max(0, ·) by x * sigmoid(x), as OPUS-MT models do.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu") -> None:
         super().__init__()
         self.W_1 = nn.Linear(d_model, d_ff)
         self.W_2 = nn.Linear(d_ff, d_model)
+        self.activation = {"relu": F.relu, "swish": F.silu}[activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.W_2(F.relu(self.W_1(x)))
+        return self.W_2(self.activation(self.W_1(x)))
 
 
 class _Residual(nn.Module):
@@ -237,7 +249,7 @@ class EncoderLayer(nn.Module):
         pre = cfg.norm == "pre"
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.h, cfg.d_k, cfg.d_v,
                                             cfg.attention_dropout)
-        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.ffn_activation)
         self.res_attn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
         self.res_ffn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
 
@@ -257,7 +269,7 @@ class DecoderLayer(nn.Module):
         args = (cfg.d_model, cfg.h, cfg.d_k, cfg.d_v, cfg.attention_dropout)
         self.self_attn = MultiHeadAttention(*args)
         self.cross_attn = MultiHeadAttention(*args)
-        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff)
+        self.ffn = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.ffn_activation)
         self.res_self = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
         self.res_cross = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
         self.res_ffn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
@@ -329,7 +341,12 @@ class Transformer(nn.Module):
             self.tgt_embed = self.src_embed  # §3.4: one matrix for both embeddings and softmax
         else:
             self.tgt_embed = nn.Embedding(cfg.target_vocab_size, cfg.d_model)
-        self.positions = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.positional == "learned")
+        self.positions = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.positional == "learned",
+                                            cfg.positional_layout)
+        if cfg.final_logits_bias:  # Marian's fixed (untrained) output bias; absent in the paper
+            self.register_buffer("final_logits_bias", torch.zeros(cfg.target_vocab_size))
+        else:
+            self.final_logits_bias = None
         self.embed_dropout = Dropout(cfg.P_drop)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.N))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.N))
@@ -410,7 +427,7 @@ class Transformer(nn.Module):
         """Pre-softmax linear map (tied to the target embedding, §3.4): (…, d) -> (…, V_tgt)."""
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        return F.linear(x, self.tgt_embed.weight)
+        return F.linear(x, self.tgt_embed.weight, self.final_logits_bias)
 
     def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None,
                 output_mask: Tensor | None = None) -> Tensor:

@@ -1,0 +1,294 @@
+"""aiayn against Hugging Face ``generate`` and CTranslate2, decoding the same weights.
+
+Run:  AIAYN_DATA_DIR=../shared/data python bench/bench_decode_peers.py [--models base multi30k]
+      [--searches greedy beam4] [--threads 2] [--sentences 256] [--json-out FILE]
+
+One random-weight Hugging Face ``MarianMTModel`` per size (``base``: d_model 512, 6+6 layers,
+8 heads, d_ff 2048; ``multi30k``: aiayn's preset, 3+3 layers, d_model 256), relu FFN, with a
+SentencePiece vocabulary of 8000 pieces learned on Multi30k train (en+de, shared). The same
+weights are imported into aiayn (``aiayn.interop.marian.import_hf``) and exported to
+CTranslate2 through its converter (``aiayn convert --to ctranslate2``). Every system decodes the
+first ``--sentences`` lines of Multi30k test_2016_flickr.en (sorted by length, batches of
+``--batch-size``), and every output is forced to exactly ``--length`` tokens plus EOS (25 decoder
+steps): aiayn with ``min_len``/``max_len``, ``generate`` with ``min_new_tokens``/
+``max_new_tokens``, CTranslate2 with ``min_decoding_length = max_decoding_length``.
+
+Systems: aiayn fp32 (the reference), aiayn bf16 autocast, aiayn's faster paths
+(``aiayn.decoding.fast``); Hugging Face fp32 and bf16 weights; CTranslate2 fp32 and int8, each
+with ``CT2_FORCE_CPU_ISA=AVX512`` and at its default ISA (each CTranslate2 figure runs in a
+child process, since the ISA is fixed when the library loads). Tokenization is outside the
+timed region for the peers and inside it for aiayn (``translate_nbest`` from text).
+
+For each model size and search it prints sentences/s, the ratio to CTranslate2 int8 AVX512
+measured in the same run, and for aiayn's paths the share of sentences token-identical to aiayn
+fp32. On a shared machine, compare ratios within one run only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gzip
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {"base": dict(N=6, d_model=512, h=8, d_ff=2048)}
+
+
+def _read(path: Path, limit: int | None = None) -> list[str]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        lines = [line.strip() for line in f]
+    return lines[:limit] if limit else lines
+
+
+def build_marian(out: Path, dims: dict, spm_model: Path, seed: int = 0) -> Path:
+    """A random-weight MarianMTModel directory with the shared SentencePiece model."""
+    import sentencepiece as spm
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    vocab = {"</s>": 0, "<unk>": 1}
+    for i in range(sp.get_piece_size()):
+        p = sp.id_to_piece(i)
+        if p not in vocab:
+            vocab[p] = len(vocab)
+    vocab["<pad>"] = pad = len(vocab)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("source.spm", "target.spm"):
+        (out / name).write_bytes(spm_model.read_bytes())
+    (out / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "MarianTokenizer", "separate_vocabs": False}), encoding="utf-8")
+    d = dims["d_model"]
+    config = MarianConfig(
+        vocab_size=len(vocab), d_model=d, encoder_layers=dims["N"], decoder_layers=dims["N"],
+        encoder_attention_heads=dims["h"], decoder_attention_heads=dims["h"],
+        encoder_ffn_dim=dims["d_ff"], decoder_ffn_dim=dims["d_ff"], activation_function="relu",
+        max_position_embeddings=256, scale_embedding=True, pad_token_id=pad, eos_token_id=0,
+        decoder_start_token_id=pad, forced_eos_token_id=0)
+    torch.manual_seed(seed)
+    model = MarianMTModel(config).eval()
+    with torch.no_grad():  # peaked next-token distributions, as a trained model has
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name or "shared" in name:
+                p.normal_(0.0, 0.5)
+            elif p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+        model.model.encoder.embed_tokens.weight[pad] = 0.0
+    model.save_pretrained(out)
+    return out
+
+
+def ct2_worker(args: argparse.Namespace) -> int:
+    """Child process: time CTranslate2 on the pieces in --pieces (JSON); print one JSON line."""
+    import ctranslate2
+
+    batches = json.loads(Path(args.pieces).read_text(encoding="utf-8"))
+    translator = ctranslate2.Translator(args.ct2_model, device="cpu",
+                                        compute_type=args.compute_type,
+                                        intra_threads=args.threads, inter_threads=1)
+    opts = dict(beam_size=args.beam, length_penalty=0.0, min_decoding_length=args.length + 1,
+                max_decoding_length=args.length + 1, max_batch_size=args.batch_size)
+    translator.translate_batch(batches[:8], **opts)  # warm-up
+    best, out = float("inf"), None
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        out = translator.translate_batch(batches, **opts)
+        best = min(best, time.perf_counter() - t)
+    lengths = {len(r.hypotheses[0]) for r in out}
+    print(json.dumps({"seconds": best, "lengths": sorted(lengths),
+                      "isa": os.environ.get("CT2_FORCE_CPU_ISA", "default"),
+                      "tokens": [r.hypotheses[0] for r in out]}))
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["base", "multi30k"])
+    p.add_argument("--searches", nargs="+", default=["greedy", "beam4"])
+    p.add_argument("--sentences", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--length", type=int, default=24, help="output tokens before EOS")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1, help="runs per figure; the fastest is kept")
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="systems to leave out (e.g. hf-fp32 hf-bf16 ct2-default)")
+    p.add_argument("--json-out", default=None, help="write all results here as JSON")
+    p.add_argument("--work-dir", default=None, help="keep the built models here")
+    # child-process mode (CTranslate2 under a chosen ISA)
+    p.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ct2-model", help=argparse.SUPPRESS)
+    p.add_argument("--pieces", help=argparse.SUPPRESS)
+    p.add_argument("--compute-type", help=argparse.SUPPRESS)
+    p.add_argument("--beam", type=int, default=1, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.ct2_worker:
+        return ct2_worker(args)
+
+    import sentencepiece as spm
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from aiayn.checkpoint import save_checkpoint
+    from aiayn.config import load_config
+    from aiayn.decoding import translate_nbest
+    from aiayn.interop.ctranslate2 import export_ctranslate2
+    from aiayn.interop.marian import import_hf
+
+    try:
+        from aiayn.decoding import fast
+    except ImportError:
+        fast = None
+
+    data = os.environ.get("AIAYN_DATA_DIR")
+    if not data:
+        p.error("set AIAYN_DATA_DIR (the shared data folder holding multi30k/)")
+    m30k = Path(data) / "multi30k"
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="aiayn-peers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    spm_model = work / "spm8000.model"
+    if not spm_model.is_file():
+        train = _read(m30k / "train.en.gz") + _read(m30k / "train.de.gz")
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(train), model_prefix=str(work / "spm8000"), vocab_size=8000,
+            model_type="unigram", bos_id=-1, eos_id=-1, unk_id=0, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(spm_model))
+    lines = _read(m30k / "test_2016_flickr.en.gz", args.sentences)
+    lines.sort(key=lambda s: -len(sp.encode(s)))  # the batches aiayn forms, for every system
+    pieces = [sp.encode(s, out_type=str) + ["</s>"] for s in lines]
+    pieces_file = work / "pieces.json"
+    pieces_file.write_text(json.dumps(pieces), encoding="utf-8")
+
+    sizes = dict(SIZES)
+    m = load_config("multi30k").model
+    sizes["multi30k"] = dict(N=m.N, d_model=m.d_model, h=m.h, d_ff=m.d_ff)
+    info = {"threads": args.threads, "sentences": len(lines), "batch_size": args.batch_size,
+            "output_tokens": args.length + 1, "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "note": "measured on a shared 2-core machine: compare "
+            "ratios within one run"}
+    try:
+        import ctranslate2
+        import transformers
+        info.update(transformers=transformers.__version__, ctranslate2=ctranslate2.__version__)
+    except ImportError as err:
+        p.error(f"needs the interop extra (pip install -e '.[interop]'): {err}")
+    results = []
+    print("; ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    for size in args.models:
+        hf_dir = work / f"hf-{size}"
+        if not (hf_dir / "config.json").is_file():
+            build_marian(hf_dir, sizes[size], spm_model)
+        model, config, vocab = import_hf(hf_dir)
+        model.eval()
+        ct2_dirs = {}
+        for ct in ("float32", "int8"):
+            ct2_dirs[ct] = work / f"ct2-{size}"
+            if not (ct2_dirs[ct] / "model.bin").is_file():
+                export_ctranslate2(model, config, vocab, ct2_dirs[ct])
+        from transformers import MarianMTModel, MarianTokenizer
+
+        hf = MarianMTModel.from_pretrained(hf_dir).eval()
+        tok = MarianTokenizer.from_pretrained(hf_dir)
+        for search in args.searches:
+            beam = 1 if search == "greedy" else int(search.removeprefix("beam"))
+            rows: dict[str, dict] = {}
+            ref_tokens = None
+
+            def record(name, seconds, tokens_lists=None, **extra):
+                row = {"model": size, "search": search, "system": name,
+                       "sent_per_s": len(lines) / seconds, "seconds": seconds, **extra}
+                if tokens_lists is not None and ref_tokens is not None:
+                    same = sum(a == b for a, b in zip(tokens_lists, ref_tokens))
+                    row["identical_to_aiayn_fp32"] = same / len(lines)
+                rows[name] = row
+                print(f"  {size:>8} {search:>6} {name:<22} {row['sent_per_s']:8.1f} sent/s"
+                      + (f"  identical {row['identical_to_aiayn_fp32']:.1%}"
+                         if "identical_to_aiayn_fp32" in row else ""), flush=True)
+
+            def run_aiayn(**kw):
+                translate_nbest(model, vocab, lines[:8], beam_size=beam, alpha=0.0,
+                                max_len_a=0.0, max_len_b=args.length, min_len=args.length,
+                                batch_size=args.batch_size, beam_rules="hf", **kw)  # warm-up
+                best, out = float("inf"), None
+                for _ in range(args.repeat):
+                    t = time.perf_counter()
+                    out = translate_nbest(model, vocab, lines, beam_size=beam, alpha=0.0,
+                                          max_len_a=0.0, max_len_b=args.length,
+                                          min_len=args.length, batch_size=args.batch_size,
+                                          beam_rules="hf", **kw)
+                    best = min(best, time.perf_counter() - t)
+                assert all(len(r[0].tokens) == args.length + 1 for r in out), "lengths not fixed"
+                return best, [[vocab.output_pieces[i] for i in r[0].tokens[:-1]] for r in out]
+
+            seconds, ref_tokens = run_aiayn()
+            record("aiayn fp32", seconds, ref_tokens)
+            if "aiayn-bf16" not in args.skip:
+                seconds, toks = run_aiayn(bf16=True)
+                record("aiayn bf16", seconds, toks)
+            if fast is not None:
+                for name, kw in fast.BENCH_PATHS.items():
+                    if name in args.skip:
+                        continue
+                    seconds, toks = run_aiayn(**kw)
+                    record(f"aiayn {name}", seconds, toks)
+            for dtype in ("fp32", "bf16"):
+                if f"hf-{dtype}" in args.skip:
+                    continue
+                net = hf if dtype == "fp32" else MarianMTModel.from_pretrained(
+                    hf_dir, dtype=torch.bfloat16).eval()
+                batches = [tok(lines[i:i + args.batch_size], return_tensors="pt", padding=True)
+                           for i in range(0, len(lines), args.batch_size)]
+                gen = dict(num_beams=beam, do_sample=False, min_new_tokens=args.length,
+                           max_new_tokens=args.length + 1, length_penalty=0.0,
+                           bad_words_ids=[[hf.config.pad_token_id]])
+                with torch.inference_mode():
+                    net.generate(**batches[-1], **gen)  # warm-up
+                    best, outs = float("inf"), []
+                    for _ in range(args.repeat):
+                        t = time.perf_counter()
+                        outs = [net.generate(**b, **gen) for b in batches]
+                        best = min(best, time.perf_counter() - t)
+                toks = [[tok.decoder[i] for i in row[1:-1]] for o in outs for row in o.tolist()]
+                record(f"hf {dtype}", best, toks)
+            for ct in ("float32", "int8"):
+                for isa in ("AVX512", None):
+                    name = f"ct2 {'fp32' if ct == 'float32' else ct} {isa or 'default'}"
+                    if f"ct2-{isa or 'default'}" in args.skip:
+                        continue
+                    env = {**os.environ}
+                    env.pop("CT2_FORCE_CPU_ISA", None)
+                    if isa:
+                        env["CT2_FORCE_CPU_ISA"] = isa
+                    cmd = [sys.executable, __file__, "--ct2-worker", "--ct2-model",
+                           str(ct2_dirs[ct]), "--pieces", str(pieces_file), "--compute-type",
+                           ct, "--beam", str(beam), "--threads", str(args.threads),
+                           "--length", str(args.length), "--batch-size", str(args.batch_size),
+                           "--repeat", str(args.repeat)]
+                    res = json.loads(subprocess.run(cmd, env=env, check=True,
+                                                    capture_output=True, text=True).stdout)
+                    record(name, res["seconds"], [t[:-1] for t in res["tokens"]],
+                           lengths=res["lengths"])
+            ref = rows.get("ct2 int8 AVX512")
+            for row in rows.values():
+                if ref:
+                    row["x_ct2_int8_avx512"] = row["sent_per_s"] / ref["sent_per_s"]
+            results.extend(rows.values())
+            if ref:
+                print("    ratio to ct2 int8 AVX512: " + ", ".join(
+                    f"{r['system']} {r['x_ct2_int8_avx512']:.2f}" for r in rows.values()),
+                    flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({**info, "results": results}, indent=1),
+                                       encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

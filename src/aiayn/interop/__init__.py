@@ -1,0 +1,1 @@
+"""Conversion to and from other toolkits' formats (Hugging Face Marian, CTranslate2)."""

@@ -1,0 +1,152 @@
+"""Hugging Face Marian <-> aiayn <-> CTranslate2, on tiny random-weight Marian models built here
+(SentencePiece models trained on Multi30k lines; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("sentencepiece")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from interop_fixtures import make_marian, read_corpus
+
+from aiayn.cli import main
+from aiayn.data.batching import pad_sources
+from aiayn.decoding import translate_nbest
+from aiayn.interop.marian import import_hf
+
+MAX_LENGTH = 40  # generate's max_length: the start token + at most 38 tokens + EOS
+
+
+@pytest.fixture(scope="module")
+def corpus(data_dir):
+    return read_corpus(data_dir, "en", limit=1500), read_corpus(data_dir, "de", limit=1500)
+
+
+@pytest.fixture(scope="module")
+def sources(data_dir):
+    return read_corpus(data_dir, "en", "test_2016_flickr", limit=48)
+
+
+@pytest.fixture(scope="module", params=["shared", "separate"])
+def marian(request, corpus, tmp_path_factory):
+    """(directory, MarianMTModel, MarianTokenizer) of a random 2+2-layer Marian model."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    separate = request.param == "separate"
+    d = make_marian(tmp_path_factory.mktemp(f"marian-{request.param}"), *corpus,
+                    separate=separate, seed=1 if separate else 0)
+    return d, MarianMTModel.from_pretrained(d).eval(), MarianTokenizer.from_pretrained(d)
+
+
+def _marian_ids(vocab, ours: list[int], target: bool) -> list[int]:
+    """Our ids -> Marian ids, through the pieces and the Marian vocab.json."""
+    pieces = vocab.output_pieces if target else vocab.source_pieces
+    return [pieces[i] for i in ours]
+
+
+def _generate(hf, tok, lines, beams):
+    batch = tok(lines, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = hf.generate(**batch, num_beams=beams, do_sample=False, max_length=MAX_LENGTH,
+                          length_penalty=0.0, bad_words_ids=[[hf.config.pad_token_id]])
+    return out, tok.batch_decode(out, skip_special_tokens=True)
+
+
+def _pieces_of(tok, ids: list[int]) -> list[str]:
+    """Target pieces of Marian ids (padding dropped)."""
+    return [tok.decoder[i] for i in ids if i != tok.pad_token_id]
+
+
+def test_import_computes_the_same_function(marian, sources):
+    directory, hf, tok = marian
+    model, config, vocab = import_hf(directory)
+    assert config.model.ffn_activation == "swish"
+    assert config.model.positional_layout == "halves"
+    # the same pieces in
+    batch = tok(sources, return_tensors="pt", padding=True)
+    ours = [vocab.encode(s) + [vocab.eos_id] for s in sources]
+    hf_src_pieces = [[{v: k for k, v in tok.encoder.items()}[i] for i in row if i != tok.pad_token_id]
+                     for row in batch.input_ids.tolist()]
+    assert [[vocab.source_pieces[i] for i in row] for row in ours] == hf_src_pieces
+    with torch.no_grad():
+        enc_hf = hf.model.encoder(**batch).last_hidden_state
+        memory, src_mask = model.encode(pad_sources(ours))
+        assert torch.equal(src_mask, batch.attention_mask.bool())
+        torch.testing.assert_close(memory[src_mask], enc_hf[src_mask], atol=1e-5, rtol=0)
+        # next-token logits along HF's greedy outputs, compared in HF's id order
+        out, _ = _generate(hf, tok, sources, 1)
+        logits_hf = hf(**batch, decoder_input_ids=out).logits
+        ours_of_hf = {p: i for i, p in enumerate(vocab.output_pieces)}
+        perm = torch.tensor([ours_of_hf[tok.decoder[i]] for i in range(len(tok.decoder))])
+        logits = model.decode(perm[out], memory, src_mask)[:, :, perm]
+        live = torch.ones_like(out, dtype=torch.bool)
+        live[:, 1:] = out[:, 1:] != tok.pad_token_id
+        torch.testing.assert_close(logits[live], logits_hf[live], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("beams", [1, 4])
+def test_search_is_token_identical_to_generate(marian, sources, beams):
+    directory, hf, tok = marian
+    model, config, vocab = import_hf(directory)
+    out, texts = _generate(hf, tok, sources, beams)
+    got = translate_nbest(model, vocab, sources, beam_size=beams, alpha=0.0, max_len_a=0.0,
+                          max_len_b=MAX_LENGTH - 2, batch_size=16,
+                          beam_rules=config.decode.beam_rules)
+    for row, hf_text, mine in zip(out.tolist(), texts, got):
+        assert _marian_ids(vocab, mine[0].tokens, True) == _pieces_of(tok, row[1:])
+        assert mine[0].text == hf_text
+    lengths = {len(t[0].tokens) for t in got}
+    assert len(lengths) > 2 and len({t[0].text for t in got}) >= 5, \
+        "the random model should give varied outputs"
+
+
+def test_convert_translate_and_export_round_trip(marian, sources, tmp_path, capsys):
+    from transformers import MarianMTModel, MarianTokenizer
+
+    directory, hf, tok = marian
+    ckpt, back = tmp_path / "ckpt", tmp_path / "hf"
+    assert main(["convert", "--from", "hf", str(directory), "-o", str(ckpt)]) == 0
+    src = tmp_path / "src.en"
+    src.write_text("\n".join(sources) + "\n", encoding="utf-8")
+    out_file = tmp_path / "out.de"
+    assert main(["translate", "--checkpoint", str(ckpt), "-i", str(src), "-o", str(out_file),
+                 "--beam", "4", "--max-len-b", str(MAX_LENGTH - 2), "--quiet"]) == 0
+    _, texts = _generate(hf, tok, sources, 4)
+    assert out_file.read_text(encoding="utf-8").splitlines() == texts
+    # back to Hugging Face: the same weights at the same ids, the same outputs
+    assert main(["convert", "--to", "hf", str(ckpt), "-o", str(back)]) == 0
+    hf2, tok2 = MarianMTModel.from_pretrained(back).eval(), MarianTokenizer.from_pretrained(back)
+    assert tok2.encoder == tok.encoder
+    sd, sd2 = hf.state_dict(), hf2.state_dict()
+    for key, value in sd.items():
+        assert torch.equal(sd2[key], value), key
+    assert _generate(hf2, tok2, sources, 4)[1] == texts
+
+
+def test_ctranslate2_export_decodes_to_the_same_tokens(marian, sources, tmp_path):
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    import sentencepiece as spm
+
+    directory, hf, tok = marian
+    ckpt, ct2 = tmp_path / "ckpt", tmp_path / "ct2"
+    assert main(["convert", "--from", "hf", str(directory), "-o", str(ckpt)]) == 0
+    assert main(["convert", "--to", "ctranslate2", str(ckpt), "-o", str(ct2)]) == 0
+    sp = spm.SentencePieceProcessor(model_file=str(ct2 / "source.spm"))
+    translator = ctranslate2.Translator(str(ct2), device="cpu", intra_threads=1)
+    batch = [sp.encode(s, out_type=str) + ["</s>"] for s in sources]
+    for beams in (1, 4):
+        out, _ = _generate(hf, tok, sources, beams)
+        # CTranslate2 bans an empty output unless min_decoding_length=0; its length limit
+        # counts tokens before EOS
+        results = translator.translate_batch(batch, beam_size=beams, length_penalty=0.0,
+                                             min_decoding_length=0,
+                                             max_decoding_length=MAX_LENGTH - 2)
+        for row, r in zip(out.tolist(), results):
+            want = [p for p in _pieces_of(tok, row[1:]) if p != "</s>"]
+            assert r.hypotheses[0] == want
