@@ -330,6 +330,60 @@ CASES = [
       "--tgt-lang xx", "xx"),
     C("pipeline", "same source and target language", "pipeline --preset tiny "
       "--run-dir {ws}/p --src-lang de --tgt-lang de", "'de'"),
+    # --- attention ---------------------------------------------------------------------------
+    C("attention", "a missing checkpoint", "attention --checkpoint {ws}/nosuch --text a "
+      "-o {ws}/a.png", "{ws}/nosuch"),
+    C("attention", "--line past the end of the file", "attention --checkpoint " + RUN +
+      " -i {ws}/in.txt --line 9 -o {ws}/a.png", "{ws}/in.txt", "9"),
+    C("attention", "an empty input file", "attention --checkpoint " + RUN +
+      " -i {ws}/empty.txt -o {ws}/a.png", "{ws}/empty.txt"),
+    C("attention", "invalid UTF-8 input", "attention --checkpoint " + RUN +
+      " -i {ws}/latin1.txt --line 2 -o {ws}/a.png", "{ws}/latin1.txt"),
+    C("attention", "--layer out of range", "attention --checkpoint " + RUN +
+      " --text a --layer 99 -o {ws}/a.png", "99"),
+    C("attention", "--head out of range", "attention --checkpoint " + RUN +
+      " --text a --head 99 -o {ws}/a.png", "99"),
+    C("attention", "-o a folder", "attention --checkpoint " + RUN + " --text a -o {ws}/folder",
+      "{ws}/folder"),
+    # --- serve -------------------------------------------------------------------------------
+    C("serve", "a missing checkpoint", "serve --checkpoint {ws}/nosuch", "{ws}/nosuch"),
+    C("serve", "a truncated checkpoint", "serve --checkpoint {ws}/truncrun/checkpoints/"
+      "step-00000006", "step-00000006"),
+    C("serve", "--port out of range", "serve --checkpoint " + RUN + " --port 70000", "70000"),
+    C("serve", "--max-lines 0", "serve --checkpoint " + RUN + " --max-lines 0", "0"),
+    C("serve", "--max-wait-ms NaN", "serve --checkpoint " + RUN + " --max-wait-ms nan", "nan"),
+    # --- convert -----------------------------------------------------------------------------
+    C("convert", "--from hf a missing folder", "convert --from hf {ws}/nosuch -o {ws}/c",
+      "{ws}/nosuch"),
+    C("convert", "--from hf a folder that is no Marian model",
+      "convert --from hf {ws}/folder -o {ws}/c", "{ws}/folder"),
+    C("convert", "--to hf a checkpoint not converted from Marian",
+      "convert --to hf " + CK + " -o {ws}/c", "step-00000006"),
+    C("convert", "--to ctranslate2 a missing checkpoint",
+      "convert --to ctranslate2 {ws}/nosuch -o {ws}/c", "{ws}/nosuch"),
+    # --- experiment --------------------------------------------------------------------------
+    C("experiment", "table3 with zero minutes per row", "experiment table3 --minutes-per-row 0 "
+      "--out {ws}/t3", "0"),
+    C("experiment", "table3 with an unknown row", "experiment table3 --minutes-per-row 1 "
+      "--rows Z9 --out {ws}/t3", "Z9"),
+    C("experiment", "table3 scaled to an unknown preset", "experiment table3 "
+      "--minutes-per-row 1 --scale nosuch --out {ws}/t3", "nosuch"),
+    C("experiment", "table3 --out an existing file", "experiment table3 --minutes-per-row 1 "
+      "--out {ws}/in.txt", "{ws}/in.txt"),
+    C("experiment", "table1 with n = 0", "experiment table1 --n 0 16 --out {ws}/t1", "0"),
+    C("experiment", "table1 with d not divisible by h", "experiment table1 --d 100 --h 8 "
+      "--out {ws}/t1", "100"),
+    # --- parse -------------------------------------------------------------------------------
+    C("parse", "prepare from a missing treebank", "parse prepare --treebank {ws}/nosuch.zip "
+      "--out {ws}/pd", "{ws}/nosuch.zip"),
+    C("parse", "prepare from a file that is no zip", "parse prepare --treebank {ws}/in.txt "
+      "--out {ws}/pd", "{ws}/in.txt"),
+    C("parse", "prepare with a dev fraction above 1", "parse prepare --treebank "
+      "{ws}/nosuch.zip --dev-fraction 1.5 --out {ws}/pd", "1.5"),
+    C("parse", "train on a missing data folder", "parse train --data {ws}/nosuch "
+      "--run-dir {ws}/pm", "{ws}/nosuch"),
+    C("parse", "eval with a data folder never prepared", "parse eval " + RUN +
+      " --data {ws}/folder", "{ws}/folder"),
     # --- no command ------------------------------------------------------------------------
     C("aiayn", "unknown subcommand", "transalte", "transalte"),
 ]
@@ -435,7 +489,8 @@ def test_the_catalogue_is_large_and_the_table_is_current() -> None:
     assert len(CASES) >= 100
     assert len({c.id for c in CASES}) == len(CASES)
     assert {c.command for c in CASES} >= {"params", "vocab", "train", "average", "translate",
-                                          "evaluate", "plot", "pipeline"}
+                                          "evaluate", "plot", "pipeline", "attention", "serve",
+                                          "convert", "experiment", "parse"}
     if len(RESULTS) < len(CASES):
         pytest.skip("run the whole catalogue to check the table")
     table = render_table()

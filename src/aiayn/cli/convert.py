@@ -42,14 +42,17 @@ def run(args: argparse.Namespace) -> int:
             args.input), "format": "hf-marian"})
     else:
         model, config, vocab = load_checkpoint(args.input)
-        if args.to_format == "hf":
-            from aiayn.interop.marian import export_hf
+        try:
+            if args.to_format == "hf":
+                from aiayn.interop.marian import export_hf
 
-            export_hf(model, config, vocab, args.output)
-        else:
-            from aiayn.interop.ctranslate2 import export_ctranslate2
+                export_hf(model, config, vocab, args.output)
+            else:
+                from aiayn.interop.ctranslate2 import export_ctranslate2
 
-            export_ctranslate2(model, config, vocab, args.output, args.quantization)
+                export_ctranslate2(model, config, vocab, args.output, args.quantization)
+        except UserError as err:
+            raise UserError(f"{args.input}: {err}") from None
     summary = {"input": args.input, "output": args.output,
                "from": args.from_format or "aiayn", "to": args.to_format or "aiayn",
                "N": config.model.N, "d_model": config.model.d_model,

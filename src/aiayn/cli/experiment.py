@@ -123,8 +123,13 @@ def _table1(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import write_json_atomic
     from aiayn.experiments.table1 import LAYERS, markdown, measure, plot, summarize
 
-    if args.threads < 1 or args.repeats < 1 or min(args.n) < 1:
-        raise ValueError("--threads, --repeats and every --n must be >= 1")
+    for name, value in (("--threads", args.threads), ("--repeats", args.repeats),
+                        ("--n", min(args.n)), ("--d", args.d), ("--h", args.h), ("--r", args.r),
+                        ("--k", args.k)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if args.d % args.h:
+        raise ValueError(f"--d {args.d} is not divisible by --h {args.h} (d_k = d / h)")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -117,10 +117,18 @@ def word_vocabulary(sources: list[list[str]], targets: list[list[str]]):
 def _prepare(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import write_json_atomic
     from aiayn.errors import UserError
-    from aiayn.parsing.trees import clean, linearize, read_treebank, split_by_file, to_line
+    from aiayn.parsing.trees import (
+        check_fractions,
+        clean,
+        linearize,
+        read_treebank,
+        split_by_file,
+        to_line,
+    )
 
     if not args.treebank:
         raise UserError("no --treebank given and AIAYN_DATA_DIR is not set")
+    check_fractions(args.dev_fraction, args.test_fraction)  # before reading the treebank
     t0 = time.monotonic()
     files = read_treebank(args.treebank, args.max_files)
     split = split_by_file(list(files), args.dev_fraction, args.test_fraction)

@@ -40,17 +40,21 @@ def read_treebank(path: str | Path, max_files: int = 0) -> dict[str, list[Tree]]
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        DataError: no ``.mrg`` files, or a tree nltk cannot read (file named).
+        DataError: a file that is no zip archive, no ``.mrg`` files, or a tree nltk cannot
+            read (file named).
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no treebank at {path}")
     files: dict[str, str] = {}
     if path.is_file():
-        with zipfile.ZipFile(path) as z:
-            for name in sorted(z.namelist()):
-                if name.endswith(".mrg") and "/combined/" in f"/{name}":
-                    files[Path(name).stem] = z.read(name).decode("utf-8")
+        try:
+            with zipfile.ZipFile(path) as z:
+                for name in sorted(z.namelist()):
+                    if name.endswith(".mrg") and "/combined/" in f"/{name}":
+                        files[Path(name).stem] = z.read(name).decode("utf-8")
+        except zipfile.BadZipFile as err:
+            raise DataError(f"{path}: not a zip archive of the treebank ({err})") from None
     else:
         for p in sorted(path.rglob("*.mrg")):
             files[p.stem] = p.read_text(encoding="utf-8")
@@ -90,6 +94,13 @@ def clean(tree: Tree) -> Tree | None:
     return Tree(base_label(tree.label()), kids) if kids else None
 
 
+def check_fractions(dev_fraction: float, test_fraction: float) -> None:
+    """Raises ValueError unless both shares are in (0, 1) and their sum is below 1."""
+    if not (0 < dev_fraction < 1 and 0 < test_fraction < 1 and dev_fraction + test_fraction < 1):
+        raise ValueError(f"dev and test fractions must be in (0, 1) with a sum below 1, got "
+                         f"{dev_fraction} and {test_fraction}")
+
+
 def split_by_file(file_ids: list[str], dev_fraction: float = 0.1,
                   test_fraction: float = 0.1) -> dict[str, list[str]]:
     """Whole files to train / dev / test, contiguous in file order as the WSJ sections are
@@ -99,9 +110,7 @@ def split_by_file(file_ids: list[str], dev_fraction: float = 0.1,
         ValueError: fractions outside (0, 1) or too few files for three splits.
     """
     ids = sorted(file_ids)
-    if not (0 < dev_fraction < 1 and 0 < test_fraction < 1 and dev_fraction + test_fraction < 1):
-        raise ValueError(f"dev and test fractions must be in (0, 1) with a sum below 1, got "
-                         f"{dev_fraction} and {test_fraction}")
+    check_fractions(dev_fraction, test_fraction)
     n_test = max(1, round(len(ids) * test_fraction))
     n_dev = max(1, round(len(ids) * dev_fraction))
     if len(ids) < n_test + n_dev + 1:
