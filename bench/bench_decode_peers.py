@@ -111,12 +111,16 @@ def ct2_worker(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=["base", "multi30k"])
-    p.add_argument("--searches", nargs="+", default=["greedy", "beam4"])
-    p.add_argument("--sentences", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--models", nargs="+", default=["base", "multi30k"],
+                   help="model shapes: base (d_model 512, 6+6) and/or multi30k (the preset)")
+    p.add_argument("--searches", nargs="+", default=["greedy", "beam4"],
+                   help="greedy and/or beam4")
+    p.add_argument("--sentences", type=int, default=256,
+                   help="source sentences from test_2016_flickr.en")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
     p.add_argument("--length", type=int, default=24, help="output tokens before EOS")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2,
+                   help="CPU threads for every system (torch and CTranslate2)")
     p.add_argument("--repeat", type=int, default=1, help="runs per figure; the fastest is kept")
     p.add_argument("--skip", nargs="*", default=[],
                    help="systems to leave out (e.g. hf-fp32 hf-bf16 ct2-default)")
