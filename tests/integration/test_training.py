@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from damage import swap_two_tokens  # tests/ is on sys.path
 from safetensors.torch import load_file
 
 from aiayn.checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint
@@ -190,13 +191,7 @@ def test_a_swapped_vocabulary_of_the_same_size_is_refused(tmp_path: Path) -> Non
     run_training(cfg, run_dir, progress=False, log=quiet)
     older, newer = list_checkpoints(run_dir)[-2:]
     load_checkpoint(newer)  # intact: loads
-    # same size, two tokens trade ids: only the fingerprint can tell
-    tok_file = newer / "tokenizer.json"
-    tok = json.loads(tok_file.read_text(encoding="utf-8"))
-    vocab = tok["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[-2:]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    tok_file.write_text(json.dumps(tok), encoding="utf-8")
+    swap_two_tokens(newer)  # same size, two tokens trade ids: only the fingerprint can tell
     with pytest.raises(DataError, match="not the one the model was trained with"):
         load_checkpoint(newer)
     # averaging refuses checkpoints recorded with different vocabularies, naming them

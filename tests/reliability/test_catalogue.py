@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from damage import swap_two_tokens
 from rel_helpers import cli, tree_hashes, within
 
 from aiayn.checkpoint import list_checkpoints
@@ -389,15 +390,6 @@ CASES = [
 ]
 
 
-def _swap_two_tokens(ckpt: Path) -> None:
-    tok_file = ckpt / "tokenizer.json"
-    tok = json.loads(tok_file.read_text(encoding="utf-8"))
-    vocab = tok["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[-2:]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    tok_file.write_text(json.dumps(tok), encoding="utf-8")
-
-
 @pytest.fixture(scope="module")
 def ws(trained_run: Path, tmp_path_factory) -> Path:
     """The workspace: a trained run, damaged copies of it, and good and bad input files."""
@@ -450,7 +442,7 @@ def ws(trained_run: Path, tmp_path_factory) -> Path:
     (ws / "badckpt" / "config.json").write_text("{")
     shutil.copytree(newest, ws / "swapckpt")
     (ws / "swapckpt" / "meta.json").unlink()
-    _swap_two_tokens(ws / "swapckpt")
+    swap_two_tokens(ws / "swapckpt")
     shutil.copytree(newest, ws / "shapeckpt")
     cfg = json.loads((ws / "shapeckpt" / "config.json").read_text())
     cfg["model"]["d_ff"] = 2 * cfg["model"]["d_ff"]

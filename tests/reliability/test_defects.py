@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from damage import swap_two_tokens
 from rel_helpers import cli, copy_run, small_config, tree_hashes, within
 from safetensors.torch import load_file
 
@@ -152,12 +153,7 @@ def test_a_swapped_vocabulary_is_refused_without_meta_json(trained_run: Path,
     ckpt = copy_run(list_checkpoints(trained_run)[-1], tmp_path / "ckpt")
     (ckpt / "meta.json").unlink()
     load_checkpoint(ckpt)
-    tok_file = ckpt / "tokenizer.json"
-    tok = json.loads(tok_file.read_text(encoding="utf-8"))
-    vocab = tok["model"]["vocab"]
-    a, b = sorted(vocab, key=vocab.get)[-2:]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    tok_file.write_text(json.dumps(tok), encoding="utf-8")
+    swap_two_tokens(ckpt)
     with pytest.raises(DataError, match="not the one the model was trained with"):
         load_checkpoint(ckpt)
 

@@ -324,13 +324,18 @@ def test_untied_embeddings_with_a_separate_target_vocabulary():
 # --- incremental decoding -------------------------------------------------------------------
 
 def decode_in_chunks(model: Transformer, src, tgt, chunks: list[int]) -> torch.Tensor:
+    """Cached decoding of ``tgt`` fed ``chunks`` positions at a time; checks after each chunk
+    that the cache counts every position and holds at most ``attention_window`` of them."""
     memory, mask = model.encode(src)
     cache = model.start_cache(memory, mask)
+    window = model.config.attention_window
     outs, pos = [], 0
     for c in chunks:
         outs.append(model.decode_step(tgt[:, pos:pos + c], cache))
         pos += c
         assert cache.length == pos
+        held = pos if window is None else min(pos, window)
+        assert all(k.shape[2] == held for k, _ in cache.self_kv)  # flat memory under §4
     return torch.cat(outs, dim=1)
 
 

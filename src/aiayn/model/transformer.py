@@ -117,9 +117,8 @@ def band_mask(q_len: int, k_len: int, window: int | None, *, causal: bool, q_off
     """
     q = torch.arange(q_len, device=device)[:, None] + q_offset
     k = torch.arange(k_len, device=device)[None, :] + k_offset
-    ok = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-    if window is not None:
-        ok = (q - k).abs() <= window
+    diff = q - k  # (q_len, k_len)
+    ok = diff.abs() <= window if window is not None else torch.ones_like(diff, dtype=torch.bool)
     return ok & (k <= q) if causal else ok
 
 
@@ -185,14 +184,13 @@ class MultiHeadAttention(nn.Module):
         B, _, Tq, _ = out.shape
         return self.W_o(out.transpose(1, 2).reshape(B, Tq, self.h * self.d_v))
 
-
     def _attend_recording(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                           is_causal: bool) -> Tensor:
         """Eq. 1 written out, keeping softmax(Q K^T / sqrt(d_k)) in ``self.weights``."""
         scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.d_k)  # (B,h,Tq,Tk)
-        if is_causal:
+        if is_causal:  # SDPA's is_causal: query i sees keys 0..i
             Tq, Tk = scores.shape[-2:]
-            causal = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+            causal = band_mask(Tq, Tk, None, causal=True, device=q.device)
             mask = causal if mask is None else mask & causal
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
