@@ -29,12 +29,22 @@ def fsync_dir(folder: str | Path) -> None:
             os.close(fd)
 
 
+def _temp_beside(path: Path, suffix: str) -> tuple[int, str]:
+    """A temp file in ``path``'s folder, with the permissions a plain ``open`` would give it
+    (mkstemp's 0600 would hide every output from other users)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, tmp
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
     """Open a temp file beside ``path``; on success it replaces ``path``, on any error (or
     KeyboardInterrupt) it is removed and ``path`` keeps its old content."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _temp_beside(path, ".tmp")
     try:
         encoding = None if "b" in mode else "utf-8"
         with os.fdopen(fd, mode, encoding=encoding) as f:
@@ -64,7 +74,7 @@ def write_json_atomic(path: str | Path, data: Any) -> Path:
 def save_with(path: str | Path, writer: Callable[[Path], None]) -> Path:
     """Atomically write a file made by ``writer(tmp_path)`` (e.g. matplotlib's ``savefig``)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    fd, tmp = _temp_beside(path, path.suffix)
     os.close(fd)
     try:
         writer(Path(tmp))

@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _table3(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import write_json_atomic
+    from aiayn.fileio import write_atomic
     from aiayn.config import load_config
     from aiayn.experiments.table3 import markdown_table, parse_rows, plot_bleu, run_table3
 
@@ -104,9 +105,7 @@ def _table3(args: argparse.Namespace) -> int:
              "no averaging")
     write_json_atomic(out / "table3.json", {"title": title, "rows": results})
     table = markdown_table(results, title)
-    tmp = out / "table3.md.tmp"
-    tmp.write_text(table, encoding="utf-8")
-    tmp.replace(out / "table3.md")
+    write_atomic(out / "table3.md", table)
     plot_bleu(results, out / "table3.png",
               f"{base.data.dataset}, {args.minutes_per_row:g} min/row, scaled from {args.scale}")
     if args.json:
@@ -121,6 +120,7 @@ def _table1(args: argparse.Namespace) -> int:
     import torch
 
     from aiayn.checkpoint import write_json_atomic
+    from aiayn.fileio import write_atomic
     from aiayn.experiments.table1 import LAYERS, markdown, measure, plot, summarize
 
     for name, value in (("--threads", args.threads), ("--repeats", args.repeats),
@@ -154,9 +154,7 @@ def _table1(args: argparse.Namespace) -> int:
     write_json_atomic(out / "table1.json", {"settings": meta, "summary": summary,
                                             "records": records})
     table = markdown(summary)
-    tmp = out / "table1.md.tmp"
-    tmp.write_text(table, encoding="utf-8")
-    tmp.replace(out / "table1.md")
+    write_atomic(out / "table1.md", table)
     plot(records, summary, out / "table1.png",
          f"one layer, forward + backward, d={args.d}, h={args.h}, r={args.r}, k={args.k}, "
          f"{args.threads} thread(s) on {args.device}")

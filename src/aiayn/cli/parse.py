@@ -92,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_lines(path: Path, lines: list[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    tmp.replace(path)
+    from aiayn.fileio import write_atomic
+
+    write_atomic(path, "".join(line + "\n" for line in lines))
 
 
 def word_vocabulary(sources: list[list[str]], targets: list[list[str]]):

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.fileio import save_with
+
 # The paper's Table 1: complexity per layer, sequential operations, maximum path length.
 PAPER_TABLE1 = {
     "self-attention": ("O(n²·d)", "O(1)", "O(1)", 2.0),
@@ -240,8 +242,7 @@ def plot(records: list[dict[str, Any]], summary: list[dict[str, Any]], path: Any
         ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title or "Table 1 measured", fontsize=9)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    try:
+        return save_with(path, fig.savefig)
+    finally:
+        plt.close(fig)

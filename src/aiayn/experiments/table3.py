@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import Config
+from aiayn.fileio import save_with
 
 # The paper's base row and each variation's changes, as Table 3 prints them.
 PAPER_BASE: dict[str, Any] = {"N": 6, "d_model": 512, "d_ff": 2048, "h": 8, "d_k": 64,
@@ -263,8 +264,7 @@ def plot_bleu(results: list[dict[str, Any]], path: str | Path, title: str = "") 
     fig.legend(loc="lower right", fontsize=7)
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    try:
+        return save_with(path, fig.savefig)
+    finally:
+        plt.close(fig)

@@ -9,10 +9,9 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
+from aiayn.fileio import save_with
 from aiayn.viz.attention import AttentionMaps
 
 KIND_TITLES = {"encoder": "encoder self-attention", "decoder": "decoder self-attention (masked)",
@@ -54,23 +53,14 @@ def _check(maps: AttentionMaps, kind: str, layer: int, heads: list[int]) -> None
 
 
 def _save(fig, path: str | Path) -> Path:
-    """Write ``fig`` as PNG atomically (temp file in the same folder, then rename)."""
+    """Write ``fig`` as PNG atomically (:func:`aiayn.fileio.save_with`) and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=fig.dpi, bbox_inches="tight")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would hide the image from others
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return save_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=fig.dpi,
+                                                       bbox_inches="tight"))
     finally:
         _pyplot().close(fig)
-    return path
 
 
 def _title(maps: AttentionMaps, kind: str, layer: int, heads: list[int], n_heads: int) -> str:
