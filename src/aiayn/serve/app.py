@@ -71,6 +71,8 @@ class ServeLimits:
 
 
 class TranslateRequest(BaseModel):
+    """Body of ``POST /translate``; an unknown field or a value out of range answers 422."""
+
     model_config = ConfigDict(extra="forbid")
     lines: list[str] = Field(description="sentences to translate, one per item")
     beam: int | None = Field(None, ge=1, description="beam size; 1 = greedy")
@@ -79,11 +81,13 @@ class TranslateRequest(BaseModel):
 
 
 class AttentionRequest(BaseModel):
+    """Body of ``POST /attention``: one source line, and optionally the target to force."""
+
     model_config = ConfigDict(extra="forbid")
-    source: str
+    source: str = Field(description="the source sentence (one line)")
     target: str | None = Field(None, description="force this translation; none: beam output")
-    beam: int | None = Field(None, ge=1)
-    alpha: float | None = Field(None, ge=0.0, le=10.0)
+    beam: int | None = Field(None, ge=1, description="beam size for the model's own output")
+    alpha: float | None = Field(None, ge=0.0, le=10.0, description="length penalty exponent")
 
 
 class BodyLimit:

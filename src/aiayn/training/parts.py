@@ -116,8 +116,12 @@ def weights_finite(model: nn.Module) -> bool:
 
 
 class Checkpointer:
-    """Writes ``RUN/checkpoints/step-N`` (with training state) and ``RUN/best``, keeps the last
-    ``keep_last`` steps, and never writes non-finite weights."""
+    """Writes ``RUN/checkpoints/step-N`` (with training state) and ``RUN/best`` atomically
+    (:func:`aiayn.checkpoint.save_checkpoint`) and keeps the last ``keep_last`` steps.
+
+    It writes what it is given: the Trainer checks :func:`weights_finite` first, because with
+    several processes that decision must come before the RNG states are gathered, and a
+    non-finite model must not become ``best/`` either."""
 
     def __init__(self, run_dir: str | Path, config: Config, vocab: Vocabulary,
                  keep_last: int) -> None:
@@ -128,15 +132,23 @@ class Checkpointer:
 
     def save_step(self, model: nn.Module, meta: dict[str, Any],
                   training_state: dict[str, Any]) -> Path:
+        """Write ``checkpoints/step-{meta['step']:08d}`` with ``training_state`` (optimizer, step
+        and data position, every process's RNG) and prune older steps; returns its path.
+
+        Raises:
+            OSError: the write failed (full disk, permissions); earlier checkpoints stay.
+        """
         path = self.run_dir / "checkpoints" / f"step-{meta['step']:08d}"
         save_checkpoint(path, model, self.config, self.vocab, meta, training_state)
         prune_checkpoints(self.run_dir, self.keep_last)
         return path
 
     def save_best(self, model: nn.Module, meta: dict[str, Any]) -> Path:
+        """Replace ``best/`` (weights only, no training state); returns its path."""
         return save_checkpoint(self.run_dir / "best", model, self.config, self.vocab, meta)
 
     def newest(self) -> Path | None:
+        """The newest complete ``checkpoints/step-N``, or None when there is none."""
         found = list_checkpoints(self.run_dir)
         return found[-1] if found else None
 
