@@ -12,15 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
-
-from aiayn.serve.loadtest import run_load
+from aiayn.serve.loadtest import run_load, serve_child
 
 SENTENCES = ["A man in a blue shirt is standing on a ladder cleaning windows.",
              "Two young children are playing in the sand at the beach.",
@@ -30,31 +23,16 @@ SENTENCES = ["A man in a blue shirt is standing on a ladder cleaning windows.",
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True)
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--checkpoint", required=True, help="checkpoint or run folder to serve")
+    p.add_argument("--requests", type=int, default=2000, help="requests per endpoint")
+    p.add_argument("--concurrency", type=int, default=32, help="clients at once")
     p.add_argument("--beam", type=int, default=None, help="default: the checkpoint's")
-    p.add_argument("--time-limit-s", type=float, default=300)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--time-limit-s", type=float, default=300,
+                   help="seconds each endpoint's run may take at most")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("serve_args", nargs="*", help="extra `aiayn serve` options (after --)")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", "--checkpoint",
-                             args.checkpoint, "--port", str(port), "--log-level", "warning",
-                             *args.serve_args], env=os.environ)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit("aiayn serve did not start")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serve_child(args.checkpoint, *args.serve_args) as (_, base):
         body = {"lines": [SENTENCES[0]]}
         if args.beam is not None:
             body["beam"] = args.beam
@@ -72,9 +50,6 @@ def main() -> None:
             rows["translate"]["requests_per_s"] / rows["health"]["requests_per_s"], 3)
         if args.json:
             print(json.dumps(rows, indent=2))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 from playwright.sync_api import expect, sync_playwright
+
+from aiayn.serve.loadtest import serve_child
 
 
 def main() -> None:
@@ -28,19 +25,7 @@ def main() -> None:
     p.add_argument("--layer", default="0", help="0-based, as the page's select values")
     p.add_argument("--head", default="all")
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", "--checkpoint",
-                             args.checkpoint, "--port", str(port), "--log-level", "warning"])
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serve_child(args.checkpoint) as (_, url):
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=shutil.which("chromium"),
                                          args=["--no-sandbox"])
@@ -57,9 +42,6 @@ def main() -> None:
             page.select_option("#head", args.head)
             page.screenshot(path=args.output, full_page=True)
             browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ import torch
 from aiayn.checkpoint import save_checkpoint
 from aiayn.config import load_config
 from aiayn.data.vocab import Vocabulary
+from aiayn.serve.loadtest import serve_child
 from aiayn.model import Transformer
 
 TEXTS = ["A man in a red shirt rides a bike.", "Two dogs play in the snow.",
@@ -57,59 +56,22 @@ def serve_in_thread(app):
         thread.join(timeout=20)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve_process(checkpoint: Path, *args: str, log: Path | None = None):
-    """``aiayn serve`` as a child process on 127.0.0.1; yields (process, base URL). The
-    process is stopped with SIGTERM (then SIGKILL) if the test did not stop it."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    """``aiayn serve`` as a child process on 127.0.0.1 (:func:`aiayn.serve.loadtest.serve_child`);
+    yields (process, base URL). With ``log``, its output goes there and a failed start shows it."""
     out = open(log, "wb") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aiayn", "serve", "--checkpoint", str(checkpoint),
-         "--port", str(port), "--log-level", "warning", *args],
-        stdout=out, stderr=subprocess.STDOUT if log else subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_until_up(url, proc)
-        except RuntimeError as err:
-            if log:
-                out.flush()
-                raise RuntimeError(f"{err}; its log:\n{log.read_text()}") from None
+        with serve_child(checkpoint, *args, stdout=out) as (proc, url):
+            yield proc, url
+    except RuntimeError as err:
+        if not log or "aiayn serve" not in str(err):
             raise
-        yield proc, url
+        out.flush()
+        raise RuntimeError(f"{err}; its log:\n{log.read_text()}") from None
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
         if log:
             out.close()
-
-
-def wait_until_up(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"aiayn serve exited with {proc.returncode} before answering")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"aiayn serve did not answer {url}/health within {timeout_s} s")
 
 
 def artifacts_dir() -> Path:

@@ -5,10 +5,64 @@ deadline, the whole run with a time limit. Only loopback addresses are accepted 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
+
+
+@contextlib.contextmanager
+def serve_child(checkpoint: str | Path, *args: str, stdout: int | object | None = None,
+                start_timeout_s: float = 120.0) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``aiayn serve --checkpoint CHECKPOINT ARGS`` as a child process on a free port of
+    127.0.0.1, yielding (process, base URL) once ``GET /health`` answers 200. On leaving, a
+    child still running gets SIGTERM (the graceful shutdown), then SIGKILL after 20 s.
+
+    ``stdout``: where its output goes (``subprocess.Popen``'s argument; stderr follows it).
+    Raises:
+        RuntimeError: the child exited, or did not answer within ``start_timeout_s`` seconds.
+    """
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiayn", "serve", "--checkpoint", str(checkpoint),
+         "--port", str(port), "--log-level", "warning", *args],
+        stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"aiayn serve exited with {proc.returncode} before answering")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"aiayn serve did not answer {url}/health within "
+                                   f"{start_timeout_s} s")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @dataclass(frozen=True)
