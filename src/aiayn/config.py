@@ -129,6 +129,9 @@ class DataConfig:
     valid_tgt: str | None = None
     vocab_size: int = 8000  # subword vocabulary size learned by `aiayn vocab`
     vocab_kind: str = "bpe"  # "bpe" (EN-DE) or "wordpiece" (EN-FR), §5.1
+    # "none": text as distributed (cased); "lc-norm-tok": lowercased, normalized and
+    # Moses-tokenized as the Multi30k literature scores it (aiayn.data.text)
+    preprocess: str = "none"
     max_tokens: int = 4096  # tokens per batch on each side, per process, §5.1 used ~25000
     max_len: int = 256  # pairs longer than this (subword tokens, either side) are dropped
     train_limit: int = 0  # use only the first N training pairs (smoke runs); 0: all
@@ -138,6 +141,7 @@ class DataConfig:
         _positive(self, "vocab_size", "max_tokens", "max_len")
         _non_negative(self, "train_limit")
         _choice(self, "vocab_kind", ("bpe", "wordpiece"))
+        _choice(self, "preprocess", ("none", "lc-norm-tok"))
 
 
 @dataclass(frozen=True)
@@ -148,6 +152,10 @@ class TrainConfig:
     epsilon_ls: float = 0.1  # label smoothing, §5.4
     warmup_steps: int = 4000  # §5.3
     lr_scale: float = 1.0  # multiplies the §5.3 learning rate (small batches want more)
+    peak_lr: float = 0.0  # > 0: the peak learning rate itself (then lr_scale is unused)
+    # "inverse_sqrt" (§5.3, eq. 3), or "linear" / "cosine": warmup, then decay to zero when
+    # max_steps or time_budget_s is spent (aiayn.training.schedule)
+    lr_schedule: str = "inverse_sqrt"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
@@ -157,6 +165,9 @@ class TrainConfig:
     max_steps: int = 100_000  # updates; base trained 100K, big 300K (§5.2)
     time_budget_s: float = 0.0  # 0: no limit; else stop after this many seconds of training
     bf16: bool = False  # torch.autocast(dtype=bfloat16)
+    # with bf16: forward and backward run on a bf16 copy of the weights (no autocast recasts);
+    # the optimizer keeps the float32 master weights, which checkpoints hold
+    bf16_weights: bool = False
     checkpoint_every_steps: int = 0  # 0: off
     checkpoint_every_s: float = 600.0  # the paper wrote one every 10 minutes, §6.1
     keep_last: int = 5  # checkpoints kept; averaging uses the last 5 (base) or 20 (big)
@@ -172,7 +183,10 @@ class TrainConfig:
         _positive(self, "keep_last", "eval_every_steps", "max_nonfinite", "log_every_steps")
         _non_negative(self, "clip_norm", "time_budget_s", "checkpoint_every_steps")
         _non_negative(self, "checkpoint_every_s", "eval_bleu_sentences", "weight_decay")
-        _non_negative(self, "early_stopping_patience")
+        _non_negative(self, "early_stopping_patience", "peak_lr")
+        _choice(self, "lr_schedule", ("inverse_sqrt", "linear", "cosine"))
+        if self.bf16_weights and not self.bf16:
+            raise ValueError("TrainConfig.bf16_weights=True needs bf16=True")
         _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2")
 
 

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.devices import choose_device
     from aiayn.fileio import write_atomic, write_json_atomic
     from aiayn.decoding import translate_lines
-    from aiayn.evaluation.bleu import multi30k_tokenize, multi30k_tok_bleu, sacrebleu_scores
+    from aiayn.evaluation.bleu import (chrf_score, multi30k_tok_bleu, multi30k_tokenize,
+                                       sacrebleu_scores)
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
     from aiayn.training.average import average_checkpoints
     from aiayn.training.run import load_split, run_training
@@ -112,7 +113,12 @@ def run(args: argparse.Namespace) -> int:
     write_atomic(hyp_path, "".join(h + "\n" for h in hyps))
 
     say("[4/4] scoring")
-    scores = sacrebleu_scores(hyps, test.tgt)
+    lc_tok = d.preprocess == "lc-norm-tok"  # outputs already in the Multi30k protocol's form
+    if lc_tok:  # sacreBLEU's 13a BLEU is meant for detokenized text: chrF only
+        chrf, chrf_sig = chrf_score(hyps, test.tgt)
+        scores = {"bleu": None, "chrf": chrf, "bleu_signature": None, "chrf_signature": chrf_sig}
+    else:
+        scores = sacrebleu_scores(hyps, test.tgt)
     results: dict[str, Any] = {
         "dataset": d.dataset, "direction": f"{d.src_lang}-{d.tgt_lang}", "preset": config.name,
         "test_set": "test_2016_flickr" if d.dataset == "multi30k" else "test",
@@ -121,8 +127,14 @@ def run(args: argparse.Namespace) -> int:
         "pipeline_wall_s": None, "decode_wall_s": round(decode_s, 1),
         "threads": torch.get_num_threads(), "averaged": [p.name for p in found],
         "beam_size": dc.beam_size, "alpha": dc.alpha,
-        "sacrebleu_bleu": round(scores["bleu"], 2), "sacrebleu_chrf": round(scores["chrf"], 2),
-        "bleu_signature": scores["bleu_signature"], "chrf_signature": scores["chrf_signature"],
+        # the text the model reads and writes: "none" (cased, detokenized, scored with
+        # sacreBLEU) or "lc-norm-tok" (the Multi30k protocol's text, scored as it is)
+        "text": d.preprocess, "lr_schedule": config.train.lr_schedule,
+        # sacreBLEU's 13a BLEU is a standard figure on cased, detokenized output only
+        "sacrebleu_bleu": None if lc_tok else round(scores["bleu"], 2),
+        "sacrebleu_chrf": round(scores["chrf"], 2),
+        "bleu_signature": scores["bleu_signature"],
+        "chrf_signature": scores["chrf_signature"],
         "hypotheses": str(hyp_path), "valid_bleu_greedy_last": summary.get("valid_bleu"),
     }
     if d.dataset == "multi30k":
@@ -132,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
         else:  # the same processing reproduces the shipped tok/ files exactly (tests check it)
             refs = [multi30k_tokenize(r, d.tgt_lang) for r in test.tgt]
             ref_name = "raw reference, lowercased, normalized and Moses-tokenized here"
-        results["multi30k_tok_bleu"] = round(multi30k_tok_bleu(hyps, refs, d.tgt_lang), 2)
+        results["multi30k_tok_bleu"] = round(
+            multi30k_tok_bleu(hyps, refs, d.tgt_lang, pretokenized=lc_tok), 2)
         results["multi30k_tok_reference"] = ref_name
     results["pipeline_wall_s"] = round(time.monotonic() - t0, 1)
     write_json_atomic(run_dir / "results.json", results)
@@ -142,12 +155,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"\nResults on {d.dataset} {results['test_set']} ({d.src_lang}->{d.tgt_lang}), "
           f"averaged model, beam {dc.beam_size}, alpha {dc.alpha}:")
-    print(f"  sacreBLEU (cased, detokenized)   BLEU {results['sacrebleu_bleu']:.2f}   "
-          f"chrF {results['sacrebleu_chrf']:.2f}")
+    if lc_tok:
+        print(f"  text: lowercased, normalized, Moses-tokenized (data.preprocess = lc-norm-tok); "
+              f"chrF {results['sacrebleu_chrf']:.2f} on that text")
+    else:
+        print(f"  sacreBLEU (cased, detokenized)   BLEU {results['sacrebleu_bleu']:.2f}   "
+              f"chrF {results['sacrebleu_chrf']:.2f}")
     if "multi30k_tok_bleu" in results:
         print(f"  Multi30k literature protocol     BLEU {results['multi30k_tok_bleu']:.2f}   "
               "(lowercased, normalized, Moses-tokenized)")
-    print(f"  {results['bleu_signature']}")
+    if results["bleu_signature"]:
+        print(f"  {results['bleu_signature']}")
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps; "
           f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, {png.name}, "
           f"{hyp_path.name})")

@@ -58,6 +58,19 @@ def sacrebleu_scores(hyps: list[str], refs: list[str]) -> dict:
             "chrf_signature": str(chrf.get_signature())}
 
 
+def chrf_score(hyps: list[str], refs: list[str]) -> tuple[float, str]:
+    """sacreBLEU chrF (0-100) of ``hyps`` against one reference per line, with its signature.
+
+    Raises:
+        DataError: the two lists differ in length.
+    """
+    from sacrebleu.metrics import CHRF
+
+    _check_aligned(hyps, refs)
+    chrf = CHRF()
+    return chrf.corpus_score(hyps, [refs]).score, str(chrf.get_signature())
+
+
 # --- the paper's tokenized BLEU --------------------------------------------------------------
 
 _COMPOUND = re.compile(r"(\S)-(\S)")
@@ -147,11 +160,17 @@ def decode_lines(data: bytes, name: str) -> list[str]:
             for n, line in enumerate(raw, 1)]
 
 
-def multi30k_tok_bleu(hyps: list[str], ref_tok: list[str] | str | Path, lang: str) -> float:
+def multi30k_tok_bleu(hyps: list[str], ref_tok: list[str] | str | Path, lang: str, *,
+                      pretokenized: bool = False) -> float:
     """BLEU in the Multi30k literature's protocol: ``hyps`` (detokenized) pass through
     :func:`multi30k_tokenize`; ``ref_tok`` are the already tokenized references, as lines or a
     path (e.g. ``$AIAYN_DATA_DIR/multi30k/tok/test_2016_flickr.lc.norm.tok.de.gz``); scored with
     sacreBLEU ``tokenize='none'``.
+
+    Args:
+        pretokenized: ``hyps`` are already in the protocol's form (a model trained with
+            ``data.preprocess = "lc-norm-tok"``): scored as they are, since tokenizing twice
+            would escape ``&amp;`` again.
 
     Raises:
         FileNotFoundError / DataError: unreadable reference file, or unaligned line counts.
@@ -160,5 +179,5 @@ def multi30k_tok_bleu(hyps: list[str], ref_tok: list[str] | str | Path, lang: st
 
     refs = read_lines(ref_tok) if isinstance(ref_tok, (str, Path)) else list(ref_tok)
     _check_aligned(hyps, refs)
-    tok_h = [multi30k_tokenize(h, lang) for h in hyps]
+    tok_h = list(hyps) if pretokenized else [multi30k_tokenize(h, lang) for h in hyps]
     return BLEU(tokenize="none", force=True).corpus_score(tok_h, [refs]).score

@@ -178,6 +178,7 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
     The model runs on one worker thread; the batcher starts and stops with the app's lifespan
     (stopping finishes every queued request first).
     """
+    from aiayn.data.text import preprocess_lines
     from aiayn.decoding import translate_nbest
     from aiayn.model.transformer import count_parameters
     from aiayn.viz.attention import attention_maps
@@ -190,6 +191,7 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
 
     def run_batch(lines: list[str], key: tuple[int, float, int]):
         beam, alpha, nbest = key
+        lines = preprocess_lines(lines, config.data.src_lang, config.data.preprocess)
         return translate_nbest(model, vocab, lines, beam_size=beam, alpha=alpha, nbest=nbest,
                                max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
                                batch_size=limits.max_batch_lines, long_inputs="error")
@@ -277,8 +279,12 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
         # the model's own output may be longer than the bound on what a client may send
         max_len_b = min(decode.max_len_b, limits.max_attention_tokens)
         try:
+            source, target = (preprocess_lines([text], lang, config.data.preprocess)[0]
+                              if text is not None else None
+                              for text, lang in ((req.source, config.data.src_lang),
+                                                 (req.target, config.data.tgt_lang)))
             maps = await batcher().run_exclusive(lambda: attention_maps(
-                model, vocab, req.source, req.target, beam_size=beam, alpha=alpha,
+                model, vocab, source, target, beam_size=beam, alpha=alpha,
                 max_len_a=decode.max_len_a, max_len_b=max_len_b))
         except RuntimeError as err:
             if "shutdown" in str(err):

@@ -19,6 +19,7 @@ Run directory::
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import signal
@@ -49,7 +50,7 @@ from aiayn.training.parts import (
     validation_figures,
     weights_finite,
 )
-from aiayn.training.schedule import learning_rate
+from aiayn.training.schedule import scheduled_lr
 
 
 @dataclass
@@ -186,10 +187,15 @@ class Trainer:
                                                                  self.tc.seed)
         if self.dist.world_size > 1:  # same initial weights, different dropout masks
             torch.manual_seed(self.tc.seed + 1000 * self.dist.rank)
-        self.ddp_model: nn.Module = self.model
+        # train.bf16_weights: forward and backward on a bf16 copy, Adam on the float32 master
+        self.compute_model: nn.Module = self.model
+        if self.tc.bf16 and self.tc.bf16_weights:
+            self.compute_model = copy.deepcopy(self.model).to(torch.bfloat16)
+        self.ddp_model: nn.Module = self.compute_model
         if self.dist.world_size > 1:
             self.ddp_model = nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                self.compute_model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model,
                                                                                  self.tc)
         self.metrics = metrics if metrics is not None else \
@@ -258,6 +264,7 @@ class Trainer:
                             f"processes; resume it with the same number (now "
                             f"{self.dist.world_size})")
         self.optimizer.load_state_dict(st["optimizer"])
+        self._sync_compute_weights()
         self.state = TrainState(
             step=st["step"], epoch=st["epoch"], batch_in_epoch=st["batch_in_epoch"],
             elapsed_s=st["elapsed_s"], nonfinite_total=st["nonfinite_total"],
@@ -273,8 +280,9 @@ class Trainer:
         self._epoch_batches = None
 
     # --- one update -----------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.tc.bf16:
+    def _autocast(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        # bf16 weights need no autocast (it would run LayerNorm in float32 and cast around it)
+        if self.tc.bf16 and next(model.parameters()).dtype == torch.float32:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -283,14 +291,16 @@ class Trainer:
             return sdpa_kernel(SDPBackend.MATH)
         return contextlib.nullcontext()
 
-    def _batch_loss(self, model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _batch_loss(self, model: nn.Module, batch,
+                    grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Label-smoothed loss of one batch (§5.4), summed over its non-pad target tokens; only
-        those positions reach the output layer. Returns (loss_sum, nll_sum, n_tokens)."""
+        those positions reach the output layer. Returns (loss_sum, nll_sum, n_tokens); its
+        backward gives the gradient of ``grad_scale * loss_sum``."""
         keep = batch.tgt_out != self.vocab.pad_id  # (B, T)
-        with self._autocast():
+        with self._autocast(model):
             logits = model(batch.src, batch.tgt_in, output_mask=keep)  # (n, V)
         return label_smoothed_loss(logits, batch.tgt_out[keep], self.tc.epsilon_ls,
-                                   self.vocab.pad_id)
+                                   self.vocab.pad_id, grad_scale)
 
     def train_step(self) -> dict[str, float]:
         """One update from ``accum_steps`` batches (per process). Returns loss figures."""
@@ -305,19 +315,23 @@ class Trainer:
         scale = self.dist.world_size / global_tokens
         loss_sum = nll_sum = 0.0
         self.optimizer.zero_grad(set_to_none=True)
+        self.compute_model.zero_grad(set_to_none=True)
         for i, batch in enumerate(batches):
             sync = i == len(batches) - 1
             ctx = self.ddp_model.no_sync() if (self.dist.world_size > 1 and not sync) \
                 else contextlib.nullcontext()
             with ctx, self._attention_backend():
-                loss, nll, _ = self._batch_loss(self.ddp_model, batch)
-                (loss * scale).backward()
+                loss, nll, _ = self._batch_loss(self.ddp_model, batch, grad_scale=scale)
+                loss.backward()  # the gradient of scale * loss (folded into the loss)
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
         figures = torch.tensor([loss_sum, nll_sum], device=self.device)
         if self.dist.world_size > 1:
             dist.all_reduce(figures)
         loss_tok, nll_tok = (figures / global_tokens).tolist()
+        if self.compute_model is not self.model:  # bf16 gradients -> float32 master grads
+            for master, work in zip(self.model.parameters(), self.compute_model.parameters()):
+                master.grad = None if work.grad is None else work.grad.float()
         # One fused norm over all gradients (already averaged across processes by DDP, so
         # every process sees the same value) both detects non-finite gradients and clips.
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -327,15 +341,25 @@ class Trainer:
             return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "skipped": 1.0}
         if self.tc.clip_norm > 0:
             nn.utils.clip_grads_with_norm_(grads, self.tc.clip_norm, total_norm)
-        lr = learning_rate(self.state.step + 1, self.config.model.d_model,
-                           self.tc.warmup_steps, self.tc.lr_scale)
+        lr = scheduled_lr(self.tc, self.config.model.d_model, self.state.step + 1,
+                          self.state.elapsed_s)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self._sync_compute_weights()
         self.state.step += 1
         self.state.target_tokens += int(global_tokens)
         return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "lr": lr,
                 "grad_norm": grad_norm, "skipped": 0.0}
+
+    @torch.no_grad()
+    def _sync_compute_weights(self) -> None:
+        """Copy the float32 master weights into the bf16 compute copy (train.bf16_weights)."""
+        if self.compute_model is self.model:
+            return
+        for master, work in zip(self.model.parameters(), self.compute_model.parameters()):
+            work.copy_(master)
+            work.grad = None
 
     def save(self, reason: str = "periodic") -> Path | None:
         """Write ``checkpoints/step-N`` (main process) and prune to ``keep_last``. Weights that
@@ -433,6 +457,7 @@ class Trainer:
         """Why to stop now ("" to go on), and a time-based checkpoint when one is due: the
         main process decides (clocks and signals differ by rank), in one broadcast."""
         tc, s = self.tc, self.state
+        s.elapsed_s = self._agree_elapsed(s.elapsed_s)  # one clock for the schedule
         stop, budget, early, due = self._agree(
             self._stop_signal is not None,
             bool(tc.time_budget_s) and s.elapsed_s >= tc.time_budget_s,
@@ -490,6 +515,15 @@ class Trainer:
                              device=self.device)
         dist.broadcast(flags, src=0)
         return tuple(bool(f) for f in flags.tolist())
+
+    def _agree_elapsed(self, elapsed_s: float) -> float:
+        """The main process's training seconds, on every process (a time-aware schedule must
+        give every process the same learning rate)."""
+        if self.dist.world_size == 1:
+            return elapsed_s
+        t = torch.tensor([elapsed_s], dtype=torch.float64, device=self.device)
+        dist.broadcast(t, src=0)
+        return float(t.item())
 
     def _evaluate_and_track(self) -> dict[str, float]:
         """Validate (main process), keep ``best/``, count evaluations without improvement."""

@@ -162,7 +162,8 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
                        valid_encoded: EncodedCorpus | None,
                        device: torch.device) -> dict[str, float]:
     """Validation loss and perplexity (per target subword) and greedy BLEU (sacreBLEU, cased,
-    detokenized) on the first ``train.eval_bleu_sentences`` pairs. Leaves ``model`` in eval
+    detokenized; with ``data.preprocess = "lc-norm-tok"`` the Multi30k protocol's BLEU of the
+    already tokenized text) on the first ``train.eval_bleu_sentences`` pairs. Leaves ``model`` in eval
     mode."""
     model.eval()
     out: dict[str, float] = {}
@@ -179,13 +180,19 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
     k = config.train.eval_bleu_sentences
     if valid is not None and k > 0:
         from aiayn.decoding import translate_lines
-        from aiayn.evaluation.bleu import sacrebleu_scores
+        from aiayn.evaluation.bleu import chrf_score, multi30k_tok_bleu, sacrebleu_scores
 
         d = config.decode
         hyps = translate_lines(model, vocab, valid.src[:k], beam_size=1, max_len_a=d.max_len_a,
                                max_len_b=d.max_len_b, batch_size=d.batch_size,
                                bf16=config.train.bf16)
-        scores = sacrebleu_scores(hyps, valid.tgt[:k])
-        out["valid_bleu"] = scores["bleu"]
-        out["valid_chrf"] = scores["chrf"]
+        refs = valid.tgt[:k]
+        if config.data.preprocess == "lc-norm-tok":  # already the Multi30k protocol's text
+            out["valid_bleu"] = multi30k_tok_bleu(hyps, refs, config.data.tgt_lang,
+                                                  pretokenized=True)
+            out["valid_chrf"] = chrf_score(hyps, refs)[0]
+        else:
+            scores = sacrebleu_scores(hyps, refs)
+            out["valid_bleu"] = scores["bleu"]
+            out["valid_chrf"] = scores["chrf"]
     return out

@@ -12,6 +12,7 @@ from aiayn.checkpoint import list_checkpoints, recover_run_dir
 from aiayn.config import Config, read_json_object
 from aiayn.data.batching import encode_corpus
 from aiayn.data.corpus import ParallelCorpus, load_dataset, load_parallel
+from aiayn.data.text import preprocess_corpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import choose_device
 from aiayn.errors import UserError
@@ -20,8 +21,15 @@ from aiayn.training.loop import DistInfo, Trainer, init_distributed
 
 
 def load_split(data: Any, split: str) -> ParallelCorpus | None:
-    """The ``split`` ("train", "valid" or "test") pairs described by a DataConfig; None when a
-    ``files`` config names no such files."""
+    """The ``split`` ("train", "valid" or "test") pairs described by a DataConfig, under its
+    ``preprocess`` mode; None when a ``files`` config names no such files."""
+    corpus = _load_raw_split(data, split)
+    if corpus is None:
+        return None
+    return preprocess_corpus(corpus, data.src_lang, data.tgt_lang, data.preprocess)
+
+
+def _load_raw_split(data: Any, split: str) -> ParallelCorpus | None:
     if data.dataset == "files":
         src, tgt = {"train": (data.train_src, data.train_tgt),
                     "valid": (data.valid_src, data.valid_tgt)}.get(split, (None, None))
