@@ -1,10 +1,26 @@
-"""Training-step throughput (target tokens per second), ours against ``torch.nn.Transformer``.
+"""Training-step throughput (target tokens per second) and model FLOP utilization, aiayn against
+``torch.nn.Transformer``, in one run.
 
-Both models get the same sizes, the same Multi30k batches (sorted by length, as training uses
-them), the same label-smoothed loss and Adam; each is timed in fp32 and under bf16 autocast,
-in one run, so the ratio compares like with like on this machine.
+    AIAYN_DATA_DIR=../shared/data python bench/bench_train.py [--presets multi30k base] [--json]
 
-    AIAYN_DATA_DIR=../shared/data python bench/bench_train.py --presets multi30k base --json
+For each preset, on the same Multi30k en-de batches (shared BPE 8000, length-sorted batches of
+``--max-tokens`` tokens a side, shuffled as training shuffles them), it times:
+
+- ``aiayn``: :class:`aiayn.training.loop.Trainer`'s own ``train_step`` (collate, forward,
+  label-smoothed loss, backward, gradient norm, Adam, the learning-rate schedule), fp32, bf16
+  autocast, and bf16 with ``train.bf16_weights`` (a bf16 compute copy of the weights, float32
+  masters in Adam);
+- ``torch.nn.Transformer`` (post-norm, tied embeddings, sinusoids, the same sizes) trained the
+  way its documentation suggests: ``F.cross_entropy(..., label_smoothing=0.1,
+  ignore_index=pad)`` over every position, Adam, fp32 and bf16 autocast;
+- the same peer with aiayn's loss (``label_smoothed_loss`` on the non-pad positions only), to
+  show how much of the ratio is the loss and the output layer.
+
+Model FLOPs count the matrix products the model needs per sentence pair (projections and
+feed-forward layers on real tokens, attention scores and sums over real lengths, the output
+layer on real target tokens), times 3 for forward and backward (Kaplan et al. 2020). FLOP
+utilization (MFU) divides the model FLOPs per second by the rate of a bf16 2048x2048x2048
+matrix product measured in the same run, on the same threads.
 """
 
 from __future__ import annotations
@@ -13,18 +29,18 @@ import argparse
 import contextlib
 import json
 import math
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from aiayn.config import load_config
-from aiayn.data.batching import collate, encode_corpus, make_batches
+from aiayn.data.batching import collate, encode_corpus
 from aiayn.data.corpus import load_dataset
 from aiayn.data.vocab import PAD_ID, Vocabulary
-from aiayn.model import Transformer
+from aiayn.training.loop import Trainer
 from aiayn.training.loss import label_smoothed_loss
 
 
@@ -53,25 +69,72 @@ class TorchTransformer(nn.Module):
         return F.linear(out, self.embed.weight)
 
 
-def time_steps(model, batches, bf16: bool, math_attention: bool, warmup: int) -> float:
+def pair_flops(m, src_len: int, tgt_len: int) -> float:
+    """Training FLOPs (3 x forward) of one sentence pair of ``src_len`` and ``tgt_len`` tokens
+    under ModelConfig ``m``: 2 FLOPs per multiply-add of every matrix product."""
+    qk, v = m.h * m.d_k, m.h * m.d_v
+    proj = m.d_model * (2 * qk + v) + v * m.d_model  # W^Q, W^K, W^V, W^O per token
+    ffn = 2 * m.d_model * m.d_ff
+    enc = m.N * src_len * (proj + ffn + src_len * (qk + v))
+    dec_self = tgt_len * (proj + tgt_len * (qk + v))
+    dec_cross = (tgt_len * (m.d_model * qk + v * m.d_model)  # W^Q, W^O on the target
+                 + src_len * (m.d_model * (qk + v))  # W^K, W^V on the source
+                 + tgt_len * src_len * (qk + v))
+    dec = m.N * (dec_self + dec_cross + tgt_len * ffn)
+    out = tgt_len * m.d_model * m.target_vocab_size
+    return 3 * 2 * (enc + dec + out)
+
+
+def matmul_rate(size: int = 2048, reps: int = 6) -> float:
+    """FLOP/s of a bf16 ``size``^3 matrix product on this machine's current threads."""
+    a = torch.randn(size, size, dtype=torch.bfloat16)
+    b = torch.randn(size, size, dtype=torch.bfloat16)
+    for _ in range(2):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return reps * 2 * size**3 / (time.perf_counter() - t0)
+
+
+def time_aiayn(config, vocab, enc, steps: int, warmup: int) -> tuple[float, list[list[int]]]:
+    """Target tokens/s of the Trainer's own step; also the batches it used, in order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        trainer = Trainer(config, tmp, vocab, enc, device="cpu", progress=False)
+        used = trainer._batches_of_epoch(0)[: warmup + steps]
+        for _ in range(warmup):
+            trainer.train_step()
+        tokens, t0 = 0.0, time.perf_counter()
+        for _ in range(steps):
+            tokens += trainer.train_step()["tokens"]
+        return tokens / (time.perf_counter() - t0), used
+
+
+def time_peer(cfg, enc, order: list[list[int]], bf16: bool, ours_loss: bool,
+              warmup: int) -> float:
+    """Target tokens/s of ``torch.nn.Transformer`` on the batches ``order``."""
+    torch.manual_seed(0)
+    model = TorchTransformer(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     model.train()
     tokens, start = 0, None
-    for i, b in enumerate(batches):
+    for i, idx in enumerate(order):
         if i == warmup:
             tokens, start = 0, time.perf_counter()
+        b = collate(enc, idx)
         ac = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-        kernel = sdpa_kernel(SDPBackend.MATH) if math_attention else contextlib.nullcontext()
-        with kernel:
+        with ac:
+            logits = model(b.src, b.tgt_in)
+        if ours_loss:
             keep = b.tgt_out != PAD_ID
-            with ac:
-                if isinstance(model, Transformer):  # ours projects the non-pad positions only
-                    logits = model(b.src, b.tgt_in, output_mask=keep)
-                else:
-                    logits = model(b.src, b.tgt_in)[keep]
-            loss, _, n = label_smoothed_loss(logits, b.tgt_out[keep], 0.1, PAD_ID)
-            opt.zero_grad(set_to_none=True)
-            (loss / n).backward()
+            loss, _, n = label_smoothed_loss(logits[keep], b.tgt_out[keep], 0.1, PAD_ID)
+            loss = loss / n
+        else:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), b.tgt_out.flatten(),
+                                   ignore_index=PAD_ID, label_smoothing=0.1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
         opt.step()
         tokens += b.tgt_tokens
     return tokens / (time.perf_counter() - start)
@@ -79,39 +142,71 @@ def time_steps(model, batches, bf16: bool, math_attention: bool, warmup: int) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--presets", nargs="+", default=["multi30k", "base"])
-    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch, each side")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per measurement")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--presets", nargs="+", default=["multi30k", "base"],
+                   help="presets to measure (default: multi30k base)")
+    p.add_argument("--max-tokens", type=int, default=4096,
+                   help="tokens per batch on each side (the multi30k preset's 4096)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = load_dataset("multi30k", "train", "en", "de")
     vocab = Vocabulary.learn(corpus.src + corpus.tgt, 8000)
     enc = encode_corpus(vocab, corpus, 128)
-    order = make_batches(enc.src_lengths(), enc.tgt_lengths(), args.max_tokens, seed=1)
-    batches = [collate(enc, idx) for idx in order[: args.steps + args.warmup]]
+    src_len, tgt_len = enc.src_lengths(), enc.tgt_lengths()
+    peak = matmul_rate()
+    say = (lambda *a, **k: None) if args.json else print
+    say(f"bf16 2048^3 matmul: {peak / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} threads")
     rows = []
     for preset in args.presets:
-        cfg = load_config(preset, [f"model.vocab_size={len(vocab)}"]).model
-        for bf16 in (False, True):
-            torch.manual_seed(0)
-            ours = time_steps(Transformer(cfg), batches, bf16, True, args.warmup)
-            torch.manual_seed(0)
-            peer = time_steps(TorchTransformer(cfg), batches, bf16, False, args.warmup)
-            rows.append({"preset": preset, "dtype": "bf16" if bf16 else "fp32",
-                         "aiayn_tok_s": round(ours), "torch_nn_transformer_tok_s": round(peer),
-                         "ratio": round(ours / peer, 2)})
-            if not args.json:
-                r = rows[-1]
-                print(f"{preset:10s} {r['dtype']}: aiayn {r['aiayn_tok_s']:6d} tgt tok/s   "
-                      f"torch.nn.Transformer {r['torch_nn_transformer_tok_s']:6d}   "
-                      f"ratio {r['ratio']:.2f}x", flush=True)
+        base = [f"model.vocab_size={len(vocab)}", f"data.max_tokens={args.max_tokens}",
+                "train.eval_bleu_sentences=0", "train.time_budget_s=0",
+                "train.checkpoint_every_s=0"]
+        row: dict = {"preset": preset}
+        order: list[list[int]] = []
+        for name, extra in (("aiayn_fp32", ["train.bf16=false", "train.bf16_weights=false"]),
+                            ("aiayn_bf16", ["train.bf16=true", "train.bf16_weights=false"]),
+                            ("aiayn_bf16_weights", ["train.bf16=true",
+                                                    "train.bf16_weights=true"])):
+            config = load_config(preset, base + extra)
+            row[name], order = time_aiayn(config, vocab, enc, args.steps, args.warmup)
+        cfg = load_config(preset, base).model
+        for name, bf16, ours_loss in (("torch_fp32", False, False), ("torch_bf16", True, False),
+                                      ("torch_bf16_aiayn_loss", True, True)):
+            row[name] = time_peer(cfg, enc, order, bf16, ours_loss, args.warmup)
+        timed = order[args.warmup:]
+        tokens = sum(int(tgt_len[i]) for idx in timed for i in idx)
+        flops = sum(pair_flops(cfg, int(src_len[i]), int(tgt_len[i]))
+                    for idx in timed for i in idx)
+        flops_per_token = flops / tokens
+        best = max(row["aiayn_bf16"], row["aiayn_bf16_weights"])
+        row.update({
+            "ratio_fp32": row["aiayn_fp32"] / row["torch_fp32"],
+            "ratio_bf16": row["aiayn_bf16"] / row["torch_bf16"],
+            "ratio_bf16_weights": row["aiayn_bf16_weights"] / row["torch_bf16"],
+            "model_gflop_per_token": flops_per_token / 1e9,
+            "mfu_bf16": row["aiayn_bf16"] * flops_per_token / peak,
+            "mfu_bf16_weights": row["aiayn_bf16_weights"] * flops_per_token / peak,
+            "mfu_torch_bf16": row["torch_bf16"] * flops_per_token / peak,
+            "mfu_best": best * flops_per_token / peak,
+        })
+        rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+        r = rows[-1]
+        say(f"{preset}: target tok/s (model {r['model_gflop_per_token'] * 1e3:.1f} MFLOP/token)")
+        say(f"  aiayn fp32 {r['aiayn_fp32']:7.0f}   torch.nn.Transformer fp32 "
+            f"{r['torch_fp32']:7.0f}   ratio {r['ratio_fp32']:.2f}x")
+        say(f"  aiayn bf16 {r['aiayn_bf16']:7.0f}   torch.nn.Transformer bf16 "
+            f"{r['torch_bf16']:7.0f}   ratio {r['ratio_bf16']:.2f}x   MFU {r['mfu_bf16']:.1%} "
+            f"(torch.nn.Transformer {r['mfu_torch_bf16']:.1%})")
+        say(f"  aiayn bf16 weights {r['aiayn_bf16_weights']:7.0f}   ratio "
+            f"{r['ratio_bf16_weights']:.2f}x   MFU {r['mfu_bf16_weights']:.1%}")
+        say(f"  torch.nn.Transformer bf16 with aiayn's loss {r['torch_bf16_aiayn_loss']:7.0f}")
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
-                          "rows": rows}))
+                          "matmul_bf16_gflop_s": round(peak / 1e9, 1), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="minutes of training (default: the preset's train.time_budget_s)")
     p.add_argument("--average", type=int, default=None, metavar="K",
                    help="checkpoints to average (default: the preset's train.keep_last)")
+    p.add_argument("--alphas", type=float, nargs="+", default=None, metavar="ALPHA",
+                   help="length penalties to try on the validation set; the best one there "
+                        "translates the test set (default: the preset's decode.alpha alone)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run")
@@ -100,20 +103,45 @@ def run(args: argparse.Namespace) -> int:
     averaged = average_checkpoints(found, run_dir / "averaged")
 
     dc = config.decode
-    say(f"[3/4] translating {len(test)} test sentences: beam {dc.beam_size}, alpha {dc.alpha}, "
-        f"max length input + {dc.max_len_b}")
+    lc_tok = d.preprocess == "lc-norm-tok"  # outputs already in the Multi30k protocol's form
     model, run_config, vocab = load_checkpoint(averaged, device)
+
+    def translate(lines: list[str], alpha: float) -> list[str]:
+        return translate_lines(model, vocab, lines, beam_size=dc.beam_size, alpha=alpha,
+                               max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
+                               batch_size=dc.batch_size, bf16=run_config.train.bf16,
+                               progress=not args.no_progress and not args.json)
+
+    def bleu_of(hyps: list[str], refs: list[str]) -> float:
+        """The job's headline BLEU: the Multi30k protocol on Multi30k, else sacreBLEU."""
+        if lc_tok:
+            return multi30k_tok_bleu(hyps, refs, d.tgt_lang, pretokenized=True)
+        if d.dataset == "multi30k":
+            return multi30k_tok_bleu(hyps, [multi30k_tokenize(r, d.tgt_lang) for r in refs],
+                                     d.tgt_lang)
+        return sacrebleu_scores(hyps, refs)["bleu"]
+
+    # §6.2's rule: settings are chosen on the development set, never on the test set
+    alphas = args.alphas or [dc.alpha]
+    valid = load_split(d, "valid")
+    valid_bleu: dict[str, float] = {}
+    alpha = dc.alpha
+    if valid is not None and len(valid):
+        say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
+            f"alpha {', '.join(map(str, alphas))}")
+        for a in alphas:
+            valid_bleu[str(a)] = round(bleu_of(translate(valid.src, a), valid.tgt), 2)
+            say(f"      val BLEU at alpha {a}: {valid_bleu[str(a)]:.2f}")
+        alpha = max(alphas, key=lambda a: valid_bleu[str(a)])
+    say(f"[3/4] translating {len(test)} test sentences: beam {dc.beam_size}, alpha {alpha}, "
+        f"max length input + {dc.max_len_b}")
     t1 = time.monotonic()
-    hyps = translate_lines(model, vocab, test.src, beam_size=dc.beam_size, alpha=dc.alpha,
-                           max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                           batch_size=dc.batch_size, bf16=run_config.train.bf16,
-                           progress=not args.no_progress and not args.json)
+    hyps = translate(test.src, alpha)
     decode_s = time.monotonic() - t1
     hyp_path = run_dir / f"test.hyp.{d.tgt_lang}"
     write_atomic(hyp_path, "".join(h + "\n" for h in hyps))
 
     say("[4/4] scoring")
-    lc_tok = d.preprocess == "lc-norm-tok"  # outputs already in the Multi30k protocol's form
     if lc_tok:  # sacreBLEU's 13a BLEU is meant for detokenized text: chrF only
         chrf, chrf_sig = chrf_score(hyps, test.tgt)
         scores = {"bleu": None, "chrf": chrf, "bleu_signature": None, "chrf_signature": chrf_sig}
@@ -126,7 +154,10 @@ def run(args: argparse.Namespace) -> int:
         "train_epochs": summary["epochs"], "train_wall_s": round(summary["elapsed_s"], 1),
         "pipeline_wall_s": None, "decode_wall_s": round(decode_s, 1),
         "threads": torch.get_num_threads(), "averaged": [p.name for p in found],
-        "beam_size": dc.beam_size, "alpha": dc.alpha,
+        "beam_size": dc.beam_size, "alpha": alpha,
+        # beam-search BLEU on the whole validation set at each alpha tried (the headline
+        # protocol: Multi30k's on Multi30k), the test set translated once with the best
+        "valid_bleu_by_alpha": valid_bleu,
         # the text the model reads and writes: "none" (cased, detokenized, scored with
         # sacreBLEU) or "lc-norm-tok" (the Multi30k protocol's text, scored as it is)
         "text": d.preprocess, "lr_schedule": config.train.lr_schedule,
@@ -154,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results))
         return 0
     print(f"\nResults on {d.dataset} {results['test_set']} ({d.src_lang}->{d.tgt_lang}), "
-          f"averaged model, beam {dc.beam_size}, alpha {dc.alpha}:")
+          f"averaged model, beam {dc.beam_size}, alpha {alpha}:")
     if lc_tok:
         print(f"  text: lowercased, normalized, Moses-tokenized (data.preprocess = lc-norm-tok); "
               f"chrF {results['sacrebleu_chrf']:.2f} on that text")
@@ -166,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
               "(lowercased, normalized, Moses-tokenized)")
     if results["bleu_signature"]:
         print(f"  {results['bleu_signature']}")
+    if valid_bleu:
+        print("  validation set, same beam, headline protocol: " + ", ".join(
+            f"BLEU {b:.2f} at alpha {a}" for a, b in valid_bleu.items()))
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps; "
           f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, {png.name}, "
           f"{hyp_path.name})")
