@@ -21,11 +21,16 @@ from aiayn.training.loop import DistInfo, Trainer, init_distributed
 
 
 def load_split(data: Any, split: str) -> ParallelCorpus | None:
-    """The ``split`` ("train", "valid" or "test") pairs described by a DataConfig, under its
-    ``preprocess`` mode; None when a ``files`` config names no such files."""
+    """The ``split`` ("train", "valid" or "test") pairs described by a DataConfig (the first
+    ``train_limit`` training pairs when set), under its ``preprocess`` mode; None when a
+    ``files`` config names no such files."""
     corpus = _load_raw_split(data, split)
     if corpus is None:
         return None
+    if split == "train" and data.train_limit:  # before preprocessing: only what is used
+        k = data.train_limit
+        corpus = ParallelCorpus(corpus.src[:k], corpus.tgt[:k], corpus.name,
+                                corpus.dropped_empty)
     return preprocess_corpus(corpus, data.src_lang, data.tgt_lang, data.preprocess)
 
 
