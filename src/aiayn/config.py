@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 PRESET_DIR = resources.files("aiayn") / "configs"
+LR_SCHEDULES = ("inverse_sqrt", "linear", "cosine")  # aiayn.training.schedule
+PREPROCESS_MODES = ("none", "lc-norm-tok")  # aiayn.data.text
 
 
 def _check_fields(obj: Any) -> None:
@@ -141,7 +143,7 @@ class DataConfig:
         _positive(self, "vocab_size", "max_tokens", "max_len")
         _non_negative(self, "train_limit")
         _choice(self, "vocab_kind", ("bpe", "wordpiece"))
-        _choice(self, "preprocess", ("none", "lc-norm-tok"))
+        _choice(self, "preprocess", PREPROCESS_MODES)
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ class TrainConfig:
         _non_negative(self, "clip_norm", "time_budget_s", "checkpoint_every_steps")
         _non_negative(self, "checkpoint_every_s", "eval_bleu_sentences", "weight_decay")
         _non_negative(self, "early_stopping_patience", "peak_lr")
-        _choice(self, "lr_schedule", ("inverse_sqrt", "linear", "cosine"))
+        _choice(self, "lr_schedule", LR_SCHEDULES)
         if self.bf16_weights and not self.bf16:
             raise ValueError("TrainConfig.bf16_weights=True needs bf16=True")
         _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2")

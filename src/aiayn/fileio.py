@@ -98,13 +98,7 @@ def check_output_file(path: str | Path, option: str = "-o") -> Path:
         raise UserError(f"{option} {path}: is a directory; give a file name")
     if not path.parent.is_dir():
         raise UserError(f"{option} {path}: the folder {path.parent} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
-    except OSError as err:
-        raise UserError(f"{option} {path}: cannot write in {path.parent} ({err.strerror})") \
-            from None
-    os.close(fd)
-    os.unlink(tmp)
+    _probe_write(path.parent, option, path)
     return path
 
 
@@ -121,11 +115,20 @@ def check_output_dir(path: str | Path, option: str) -> Path:
         (p for p in path.parents if p.exists()), Path("."))
     if not probe_in.is_dir():
         raise UserError(f"{option} {path}: {probe_in} is a file, not a folder")
+    _probe_write(probe_in, option, path)
+    return path
+
+
+def _probe_write(folder: Path, option: str, path: Path) -> None:
+    """Create and remove an empty file in ``folder``.
+
+    Raises:
+        UserError: ``folder`` cannot be written in (naming ``option`` and ``path``).
+    """
     try:
-        fd, tmp = tempfile.mkstemp(dir=probe_in, prefix=".aiayn-probe-")
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".aiayn-probe-")
     except OSError as err:
-        raise UserError(f"{option} {path}: cannot write in {probe_in} ({err.strerror})") \
+        raise UserError(f"{option} {path}: cannot write in {folder} ({err.strerror})") \
             from None
     os.close(fd)
     os.unlink(tmp)
-    return path

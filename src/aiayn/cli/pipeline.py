@@ -113,12 +113,10 @@ def run(args: argparse.Namespace) -> int:
                                progress=not args.no_progress and not args.json)
 
     def bleu_of(hyps: list[str], refs: list[str]) -> float:
-        """The job's headline BLEU: the Multi30k protocol on Multi30k, else sacreBLEU."""
-        if lc_tok:
-            return multi30k_tok_bleu(hyps, refs, d.tgt_lang, pretokenized=True)
+        """The job's headline BLEU: the Multi30k protocol on Multi30k (``refs`` already in
+        its form), else sacreBLEU."""
         if d.dataset == "multi30k":
-            return multi30k_tok_bleu(hyps, [multi30k_tokenize(r, d.tgt_lang) for r in refs],
-                                     d.tgt_lang)
+            return multi30k_tok_bleu(hyps, refs, d.tgt_lang, pretokenized=lc_tok)
         return sacrebleu_scores(hyps, refs)["bleu"]
 
     # §6.2's rule: settings are chosen on the development set, never on the test set
@@ -129,8 +127,10 @@ def run(args: argparse.Namespace) -> int:
     if valid is not None and len(valid):
         say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
             f"alpha {', '.join(map(str, alphas))}")
+        refs = valid.tgt if lc_tok or d.dataset != "multi30k" else \
+            [multi30k_tokenize(r, d.tgt_lang) for r in valid.tgt]
         for a in alphas:
-            valid_bleu[str(a)] = round(bleu_of(translate(valid.src, a), valid.tgt), 2)
+            valid_bleu[str(a)] = round(bleu_of(translate(valid.src, a), refs), 2)
             say(f"      val BLEU at alpha {a}: {valid_bleu[str(a)]:.2f}")
         alpha = max(alphas, key=lambda a: valid_bleu[str(a)])
     say(f"[3/4] translating {len(test)} test sentences: beam {dc.beam_size}, alpha {alpha}, "

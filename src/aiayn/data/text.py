@@ -15,9 +15,8 @@ translate`` and ``aiayn serve`` apply it to their input the same way.
 
 from __future__ import annotations
 
+from aiayn.config import PREPROCESS_MODES
 from aiayn.data.corpus import ParallelCorpus
-
-PREPROCESS_MODES = ("none", "lc-norm-tok")
 
 
 def preprocess_lines(lines: list[str], lang: str, mode: str) -> list[str]:

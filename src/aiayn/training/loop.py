@@ -457,8 +457,9 @@ class Trainer:
         """Why to stop now ("" to go on), and a time-based checkpoint when one is due: the
         main process decides (clocks and signals differ by rank), in one broadcast."""
         tc, s = self.tc, self.state
-        s.elapsed_s = self._agree_elapsed(s.elapsed_s)  # one clock for the schedule
-        stop, budget, early, due = self._agree(
+        # the main process's clock, so that a time-aware schedule gives every process one lr
+        s.elapsed_s, (stop, budget, early, due) = self._agree(
+            s.elapsed_s,
             self._stop_signal is not None,
             bool(tc.time_budget_s) and s.elapsed_s >= tc.time_budget_s,
             bool(tc.early_stopping_patience) and s.evals_since_best >= tc.early_stopping_patience,
@@ -506,24 +507,17 @@ class Trainer:
             for sig, h in old.items():
                 signal.signal(sig, h)
 
-    def _agree(self, *decisions: bool) -> tuple[bool, ...]:
-        """The main process's decisions, shared with all in one broadcast on the training
-        device (NCCL reduces and broadcasts only tensors on the GPU)."""
+    def _agree(self, elapsed_s: float, *decisions: bool) -> tuple[float, tuple[bool, ...]]:
+        """The main process's training seconds and decisions, shared with all in one
+        broadcast on the training device (NCCL reduces and broadcasts only tensors on the
+        GPU)."""
         if self.dist.world_size == 1:
-            return tuple(bool(d) for d in decisions)
-        flags = torch.tensor([1 if d else 0 for d in decisions], dtype=torch.uint8,
-                             device=self.device)
-        dist.broadcast(flags, src=0)
-        return tuple(bool(f) for f in flags.tolist())
-
-    def _agree_elapsed(self, elapsed_s: float) -> float:
-        """The main process's training seconds, on every process (a time-aware schedule must
-        give every process the same learning rate)."""
-        if self.dist.world_size == 1:
-            return elapsed_s
-        t = torch.tensor([elapsed_s], dtype=torch.float64, device=self.device)
-        dist.broadcast(t, src=0)
-        return float(t.item())
+            return elapsed_s, tuple(bool(d) for d in decisions)
+        values = torch.tensor([elapsed_s, *(1.0 if d else 0.0 for d in decisions)],
+                              dtype=torch.float64, device=self.device)
+        dist.broadcast(values, src=0)
+        got = values.tolist()
+        return got[0], tuple(bool(f) for f in got[1:])
 
     def _evaluate_and_track(self) -> dict[str, float]:
         """Validate (main process), keep ``best/``, count evaluations without improvement."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("inverse_sqrt", "linear", "cosine")
+from aiayn.config import LR_SCHEDULES
 
 
 def learning_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
@@ -79,4 +79,4 @@ def scheduled_lr(tc, d_model: int, step: int, elapsed_s: float) -> float:
         return peak * warm * (1.0 - p)
     if tc.lr_schedule == "cosine":
         return peak * warm * 0.5 * (1.0 + math.cos(math.pi * p))
-    raise ValueError(f"unknown train.lr_schedule {tc.lr_schedule!r}; known: {SCHEDULES}")
+    raise ValueError(f"unknown train.lr_schedule {tc.lr_schedule!r}; known: {LR_SCHEDULES}")
