@@ -148,9 +148,8 @@ def run_table3(
     vocab_dir = out_dir / "vocab"
     if not (vocab_dir / "tokenizer.json").is_file():
         log(f"table3: learning a {base.data.vocab_size}-token {base.data.vocab_kind} vocabulary")
-        train = load_split(base.data, "train")
-        k = base.data.train_limit or len(train)
-        Vocabulary.learn(train.src[:k] + train.tgt[:k], base.data.vocab_size,
+        train = load_split(base.data, "train")  # its first train_limit pairs when set
+        Vocabulary.learn(train.src + train.tgt, base.data.vocab_size,
                          base.data.vocab_kind).save(vocab_dir)
     valid = load_split(base.data, "valid")
     if valid is None:

@@ -139,11 +139,7 @@ def run_training(
         raise UserError(f"{run_dir} already holds checkpoints: add --resume to continue that "
                         "run, or choose another --run-dir")
     assert config is not None
-    train_corpus = load_split(config.data, "train")
-    if config.data.train_limit:
-        k = config.data.train_limit
-        train_corpus = ParallelCorpus(train_corpus.src[:k], train_corpus.tgt[:k],
-                                      train_corpus.name, train_corpus.dropped_empty)
+    train_corpus = load_split(config.data, "train")  # train_limit already applied
     if len(train_corpus) == 0:
         _check_trainable([], train_corpus, config.data)
     valid_corpus = load_split(config.data, "valid")
