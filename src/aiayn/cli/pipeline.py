@@ -24,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--average", type=int, default=None, metavar="K",
                    help="checkpoints to average (default: the preset's train.keep_last)")
     p.add_argument("--alphas", type=float, nargs="+", default=None, metavar="ALPHA",
-                   help="length penalties to try on the validation set; the best one there "
-                        "translates the test set (default: the preset's decode.alpha alone)")
+                   help="length penalties alpha (§6.1, Wu et al. 2016's lp; 0 = none) to try with beam "
+                        "search on the whole validation set; the best one there translates "
+                        "the test set once (default: the preset's decode.alpha alone)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run")
