@@ -102,7 +102,7 @@ def time_aiayn(config, vocab, enc, steps: int, warmup: int) -> tuple[float, list
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         trainer = Trainer(config, tmp, vocab, enc, device="cpu", progress=False)
-        used = trainer._batches_of_epoch(0)[: warmup + steps]
+        used = trainer.batches_of_epoch(0)[: warmup + steps]
         for _ in range(warmup):
             trainer.train_step()
         tokens, t0 = 0.0, time.perf_counter()

@@ -210,3 +210,38 @@ def test_pipeline_and_translate_in_the_literature_text(data_dir: Path, tmp_path:
                          str(src), "--beam", "1", "--quiet"]) == 0
         outputs.append(buf.getvalue())
     assert outputs[0] == outputs[1] != ""
+
+    # aiayn evaluate translates raw input the same way, and scores the output as it is (tokenizing
+    # it again would escape "&amp;" twice); cased references are not compared with it
+    def first(path: Path, n: int = 40) -> list[str]:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()[:n]
+
+    raw, tok = tmp_path / "raw.en", tmp_path / "ref.tok.de"
+    refs = first(data_dir / "multi30k/tok/test_2016_flickr.lc.norm.tok.de.gz")
+    raw.write_text("\n".join(first(data_dir / "multi30k/test_2016_flickr.en.gz")) + "\n",
+                   encoding="utf-8")
+    tok.write_text("\n".join(refs) + "\n", encoding="utf-8")
+    translated, evaluated = tmp_path / "translate.de", tmp_path / "evaluate.de"
+    assert main(["translate", "--checkpoint", str(run_dir / "averaged"), "-i", str(raw), "-o",
+                 str(translated), "--beam", "1", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "--checkpoint", str(run_dir / "averaged"), "--src", str(raw),
+                 "--ref", str(data_dir / "multi30k/test_2016_flickr.de.gz"), "--ref-tok",
+                 str(tok), "--output", str(evaluated), "--beam", "1", "--json", "--quiet"]) == 0
+    scored = json.loads(capsys.readouterr().out)
+    assert evaluated.read_text(encoding="utf-8") == translated.read_text(encoding="utf-8")
+    hyps = evaluated.read_text(encoding="utf-8").splitlines()
+    assert scored["text"] == "lc-norm-tok" and set(scored["scores"]) == {"multi30k"}
+    assert scored["scores"]["multi30k"]["bleu"] == pytest.approx(
+        BLEU(tokenize="none", force=True).corpus_score(hyps, [refs]).score)
+    assert main(["evaluate", "--hyp", str(evaluated), "--pretokenized", "--ref-tok", str(tok),
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["scores"] == scored["scores"]
+    assert main(["evaluate", "--hyp", str(evaluated), "--pretokenized", "--ref",
+                 str(raw)]) == 2  # lowercased, tokenized output needs the tokenized references
+
+    # aiayn attention shows the attention over the text the model reads
+    assert main(["attention", "--checkpoint", str(run_dir / "averaged"), "--text",
+                 "A MAN IS RUNNING.", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["source"] == "a man is running ."

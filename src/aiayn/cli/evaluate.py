@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ref-tok", metavar="FILE",
                    help="references tokenized in the Multi30k protocol (e.g. multi30k/tok/"
                         "test_2016_flickr.lc.norm.tok.de.gz): adds the Multi30k-protocol BLEU")
+    p.add_argument("--pretokenized", action="store_true",
+                   help="--hyp is already lowercased, normalized and Moses-tokenized (the output "
+                        "of a data.preprocess = lc-norm-tok model): score it as it is against "
+                        "--ref-tok (with --src, the checkpoint decides this)")
     p.add_argument("--lang", default=None,
                    help="target language for Moses tokenization (default: the checkpoint's "
                         "data.tgt_lang, else 'de')")
@@ -56,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output, "--output")
     lang = args.lang
     result: dict = {}
+    pretokenized = args.pretokenized
+    if args.src is not None and pretokenized:
+        raise UserError("--pretokenized is for --hyp; with --src the checkpoint's "
+                        "data.preprocess decides how its output is scored")
     if args.hyp is not None:
         hyps = read_lines(args.hyp)
         if not hyps:
@@ -65,10 +73,15 @@ def run(args: argparse.Namespace) -> int:
         from aiayn.cli.translate import decode_options, load_model, warner
         from aiayn.decoding import translate_nbest
 
+        from aiayn.data.text import preprocess_lines
+
         lines = read_lines(args.src)
         if not lines:
             raise UserError(f"--src {args.src}: the file is empty, nothing to translate")
         model, config, vocab = load_model(args)
+        # the model reads and writes the text it was trained on (data.preprocess)
+        lines = preprocess_lines(lines, config.data.src_lang, config.data.preprocess)
+        pretokenized = config.data.preprocess == "lc-norm-tok"
         options = decode_options(args, config)
         translations = translate_nbest(model, vocab, lines, warn=warner("evaluate"),
                                        progress=not args.quiet and sys.stderr.isatty(),
@@ -83,8 +96,16 @@ def run(args: argparse.Namespace) -> int:
                 f.writelines(h.replace("\n", " ") + "\n" for h in hyps)
     lang = lang or "de"
     result.update(lang=lang, sentences=len(hyps))
+    if pretokenized and args.ref_tok is None:
+        raise UserError("these translations are lowercased and Moses-tokenized "
+                        "(data.preprocess = lc-norm-tok): give --ref-tok FILE (e.g. multi30k/tok/"
+                        "val.lc.norm.tok.de.gz) to score them in the Multi30k protocol")
+    if pretokenized and args.ref is not None:
+        print(f"aiayn evaluate: --ref {args.ref} not scored: lowercased, tokenized output "
+              "against cased, detokenized references would measure the casing, not the "
+              "translation", file=sys.stderr)
     scores = {}
-    if args.ref is not None:
+    if args.ref is not None and not pretokenized:  # cased, detokenized text only
         refs = read_lines(args.ref)
         s = sacrebleu_scores(hyps, refs)
         scores["sacrebleu"] = {"protocol": PROTOCOLS["sacrebleu"], **s}
@@ -92,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
                            "bleu": paper_tok_bleu(hyps, refs, lang)}
     if args.ref_tok is not None:
         scores["multi30k"] = {"protocol": PROTOCOLS["multi30k"],
-                              "bleu": multi30k_tok_bleu(hyps, args.ref_tok, lang)}
+                              "bleu": multi30k_tok_bleu(hyps, args.ref_tok, lang,
+                                                      pretokenized=pretokenized)}
     result["scores"] = scores
+    result["text"] = "lc-norm-tok" if pretokenized else "none"
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
         return 0

@@ -204,7 +204,11 @@ class Trainer:
             Checkpointer(self.run_dir, config, vocab, self.tc.keep_last)
 
     # --- data -----------------------------------------------------------------------------
-    def _batches_of_epoch(self, epoch: int) -> list[list[int]]:
+    def batches_of_epoch(self, epoch: int) -> list[list[int]]:
+        """The batches of ``epoch`` this process trains on, in order: lists of indices into
+        the training pairs, each batch at most ``data.max_tokens`` tokens a side (padding
+        included), shuffled by ``(train.seed, epoch)`` and sharded by rank. Deterministic:
+        resuming, and benchmarks that time the same batches, call it again."""
         return make_batches(self._src_len, self._tgt_len, self.config.data.max_tokens,
                             seed=self.tc.seed, epoch=epoch, shuffle=True,
                             num_shards=self.dist.world_size, shard_index=self.dist.rank)
@@ -212,13 +216,13 @@ class Trainer:
     def _next_batch_indices(self) -> list[int]:
         s = self.state
         if self._epoch_batches is None:
-            self._epoch_batches = self._batches_of_epoch(s.epoch)
+            self._epoch_batches = self.batches_of_epoch(s.epoch)
         while s.batch_in_epoch >= len(self._epoch_batches):
             if not self._epoch_batches and s.batch_in_epoch == 0:
                 raise ValueError(f"epoch {s.epoch} has no batch")  # guarded in __init__
             s.epoch += 1
             s.batch_in_epoch = 0
-            self._epoch_batches = self._batches_of_epoch(s.epoch)
+            self._epoch_batches = self.batches_of_epoch(s.epoch)
         indices = self._epoch_batches[s.batch_in_epoch]
         s.batch_in_epoch += 1
         return indices
