@@ -15,6 +15,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="image to write (default: RUN_DIR/curves.png)")
 
 
+SCHEDULES = {"inverse_sqrt": "§5.3, eq. 3", "linear": "linear decay to zero at the budget",
+             "cosine": "cosine decay to zero at the budget"}
+
+
+def _titles(run_dir: Path) -> tuple[str, str]:
+    """Titles of the BLEU and learning-rate panels, named after the run's config.json (the
+    protocol its validation BLEU used, its schedule); the defaults' when there is none."""
+    data, train = {}, {}
+    try:
+        config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+        data, train = config.get("data", {}), config.get("train", {})
+    except (OSError, ValueError, AttributeError):
+        pass
+    protocol = ("Multi30k protocol" if data.get("preprocess") == "lc-norm-tok"
+                else "sacreBLEU cased")
+    schedule = train.get("lr_schedule", "inverse_sqrt")
+    return (f"validation BLEU (greedy, {protocol})",
+            f"learning rate ({SCHEDULES.get(schedule, schedule)})")
+
+
 def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     """Read ``RUN_DIR/metrics.jsonl`` and write a 2x2 figure; returns the PNG path.
 
@@ -39,6 +59,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         except json.JSONDecodeError:
             raise ValueError(f"{path}, line {number}: not JSON") from None
         (train if record.get("kind") == "train" else valid).append(record)
+    bleu_title, lr_title = _titles(run_dir)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     ax = axes[0][0]
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (smoothed)")
@@ -56,10 +77,10 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     ax = axes[1][0]
     bleu = [r for r in valid if "valid_bleu" in r]
     ax.plot([r["step"] for r in bleu], [r["valid_bleu"] for r in bleu], "o-", color="C2")
-    ax.set_title("validation BLEU (greedy, sacreBLEU cased)")
+    ax.set_title(bleu_title)
     ax = axes[1][1]
     ax.plot([r["step"] for r in train], [r["lr"] for r in train], color="C3")
-    ax.set_title("learning rate (§5.3)")
+    ax.set_title(lr_title)
     for a in axes.flat:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
