@@ -351,6 +351,8 @@ CASES = [
     C("serve", "a truncated checkpoint", "serve --checkpoint {ws}/truncrun/checkpoints/"
       "step-00000006", "step-00000006"),
     C("serve", "--port out of range", "serve --checkpoint " + RUN + " --port 70000", "70000"),
+    C("serve", "--keep-alive-s 0", "serve --checkpoint " + RUN + " --keep-alive-s 0",
+      "--keep-alive-s"),
     C("serve", "--max-lines 0", "serve --checkpoint " + RUN + " --max-lines 0", "0"),
     C("serve", "--max-wait-ms NaN", "serve --checkpoint " + RUN + " --max-wait-ms nan", "nan"),
     # --- convert -----------------------------------------------------------------------------

@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the largest beam a request may ask for; more gets 422")
     p.add_argument("--graceful-timeout-s", type=float, default=30.0,
                    help="on SIGTERM/SIGINT, how long requests in flight may take to finish")
+    p.add_argument("--keep-alive-s", type=float, default=75.0,
+                   help="how long an idle keep-alive connection stays open (seconds). Longer "
+                        "than uvicorn's 5 s, so that a client reusing a connection rarely "
+                        "meets the server closing it (the request would fail unanswered); "
+                        "behind a proxy, keep it above the proxy's idle timeout")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level")
@@ -60,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1 … 65535, got {args.port}")
+    if not args.keep_alive_s > 0:
+        raise ValueError(f"--keep-alive-s must be a positive number of seconds, "
+                         f"got {args.keep_alive_s}")
     limits = ServeLimits(
         max_body_bytes=args.max_body_bytes, max_lines=args.max_lines, max_chars=args.max_chars,
         max_attention_tokens=args.max_attention_tokens, max_concurrent=args.max_concurrent,
@@ -76,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     # (up to the graceful timeout), then runs the app's shutdown, which drains the batcher.
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_timeout_s, access_log=False))
+        timeout_graceful_shutdown=args.graceful_timeout_s,
+        timeout_keep_alive=args.keep_alive_s, access_log=False))
     # uvicorn re-raises the signal it caught once it has shut down, to the handler that was
     # there before; for SIGTERM that is this no-op, so a clean stop exits with status 0
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
