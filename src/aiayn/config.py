@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any
 
 PRESET_DIR = resources.files("aiayn") / "configs"
-LR_SCHEDULES = ("inverse_sqrt", "linear", "cosine")  # aiayn.training.schedule
+# train.lr_schedule: name -> what it is (aiayn.training.schedule)
+LR_SCHEDULE_TITLES = {"inverse_sqrt": "§5.3, eq. 3",
+                      "linear": "linear decay to zero at the budget",
+                      "cosine": "cosine decay to zero at the budget"}
+LR_SCHEDULES = tuple(LR_SCHEDULE_TITLES)
 PREPROCESS_MODES = ("none", "lc-norm-tok")  # aiayn.data.text
 
 

@@ -84,12 +84,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--layer {layer} does not exist: the model has N={N} layers (1 … {N})")
     heads = _heads(args.head, h)
     d = config.decode
-    from aiayn.data.text import preprocess_lines
+    from aiayn.data.text import model_text
 
     # the text the model was trained on (e.g. lowercased and Moses-tokenized), as translate does
-    source = preprocess_lines([source], config.data.src_lang, config.data.preprocess)[0]
-    target = None if args.target is None else \
-        preprocess_lines([args.target], config.data.tgt_lang, config.data.preprocess)[0]
+    source = model_text([source], config.data)[0]
+    target = None if args.target is None else model_text([args.target], config.data, "tgt")[0]
     maps = attention_maps(model, vocab, source, target,
                           beam_size=d.beam_size if args.beam is None else args.beam,
                           alpha=d.alpha if args.alpha is None else args.alpha,

@@ -73,15 +73,15 @@ def run(args: argparse.Namespace) -> int:
         from aiayn.cli.translate import decode_options, load_model, warner
         from aiayn.decoding import translate_nbest
 
-        from aiayn.data.text import preprocess_lines
+        from aiayn.data.text import is_protocol_text, model_text
 
         lines = read_lines(args.src)
         if not lines:
             raise UserError(f"--src {args.src}: the file is empty, nothing to translate")
         model, config, vocab = load_model(args)
         # the model reads and writes the text it was trained on (data.preprocess)
-        lines = preprocess_lines(lines, config.data.src_lang, config.data.preprocess)
-        pretokenized = config.data.preprocess == "lc-norm-tok"
+        lines = model_text(lines, config.data)
+        pretokenized = is_protocol_text(config.data.preprocess)
         options = decode_options(args, config)
         translations = translate_nbest(model, vocab, lines, warn=warner("evaluate"),
                                        progress=not args.quiet and sys.stderr.isatty(),

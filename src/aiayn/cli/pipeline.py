@@ -104,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
     averaged = average_checkpoints(found, run_dir / "averaged")
 
     dc = config.decode
-    lc_tok = d.preprocess == "lc-norm-tok"  # outputs already in the Multi30k protocol's form
+    from aiayn.data.text import is_protocol_text
+
+    lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
     model, run_config, vocab = load_checkpoint(averaged, device)
 
     def translate(lines: list[str], alpha: float) -> list[str]:

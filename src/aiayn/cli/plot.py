@@ -15,10 +15,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="image to write (default: RUN_DIR/curves.png)")
 
 
-SCHEDULES = {"inverse_sqrt": "§5.3, eq. 3", "linear": "linear decay to zero at the budget",
-             "cosine": "cosine decay to zero at the budget"}
-
-
 def _titles(run_dir: Path) -> tuple[str, str]:
     """Titles of the BLEU and learning-rate panels, named after the run's config.json (the
     protocol its validation BLEU used, its schedule); the defaults' when there is none."""
@@ -28,11 +24,14 @@ def _titles(run_dir: Path) -> tuple[str, str]:
         data, train = config.get("data", {}), config.get("train", {})
     except (OSError, ValueError, AttributeError):
         pass
-    protocol = ("Multi30k protocol" if data.get("preprocess") == "lc-norm-tok"
+    from aiayn.config import LR_SCHEDULE_TITLES
+    from aiayn.data.text import is_protocol_text
+
+    protocol = ("Multi30k protocol" if is_protocol_text(data.get("preprocess", "none"))
                 else "sacreBLEU cased")
     schedule = train.get("lr_schedule", "inverse_sqrt")
     return (f"validation BLEU (greedy, {protocol})",
-            f"learning rate ({SCHEDULES.get(schedule, schedule)})")
+            f"learning rate ({LR_SCHEDULE_TITLES.get(schedule, schedule)})")
 
 
 def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:

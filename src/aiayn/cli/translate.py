@@ -133,7 +133,7 @@ def _one_line(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiayn.data.text import preprocess_lines
+    from aiayn.data.text import model_text
     from aiayn.decoding import translate_nbest
 
     from aiayn.devices import choose_device
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output)
     lines = read_input(args.input)
     model, config, vocab = load_model(args)
-    lines = preprocess_lines(lines, config.data.src_lang, config.data.preprocess)
+    lines = model_text(lines, config.data)
     options = decode_options(args, config, nbest=args.nbest)
     results = translate_nbest(model, vocab, lines, warn=warner("translate"),
                               progress=args.output is not None and not args.quiet, **options)

@@ -10,13 +10,19 @@
   ``tokenize='none'``). Outputs stay lowercased and tokenized.
 
 A model trained on preprocessed text records the mode in its ``config.json``; ``aiayn
-translate`` and ``aiayn serve`` apply it to their input the same way.
+translate``, ``evaluate``, ``attention`` and ``serve`` apply it to their input the same way
+(:func:`model_text`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aiayn.config import PREPROCESS_MODES
 from aiayn.data.corpus import ParallelCorpus
+
+if TYPE_CHECKING:
+    from aiayn.config import DataConfig
 
 
 def preprocess_lines(lines: list[str], lang: str, mode: str) -> list[str]:
@@ -32,6 +38,26 @@ def preprocess_lines(lines: list[str], lang: str, mode: str) -> list[str]:
 
         return [multi30k_tokenize(line, lang) for line in lines]
     raise ValueError(f"unknown data.preprocess {mode!r}; known: {', '.join(PREPROCESS_MODES)}")
+
+
+def model_text(lines: list[str], data: "DataConfig", side: str = "src") -> list[str]:
+    """``lines`` as a model trained under ``data`` reads them: its ``data.preprocess`` applied
+    with the language of ``side`` ("src" or "tgt", e.g. a forced target). Every entry point that
+    feeds raw text to a checkpoint (translate, evaluate, attention, serve) goes through here.
+
+    Raises:
+        ValueError: an unknown side or mode.
+    """
+    if side not in ("src", "tgt"):
+        raise ValueError(f"side must be 'src' or 'tgt', got {side!r}")
+    return preprocess_lines(lines, data.src_lang if side == "src" else data.tgt_lang,
+                            data.preprocess)
+
+
+def is_protocol_text(mode: str) -> bool:
+    """Whether a model trained under ``data.preprocess = mode`` writes the Multi30k protocol's
+    text (lowercased, tokenized): its outputs are scored as they are, never tokenized again."""
+    return mode == "lc-norm-tok"
 
 
 def preprocess_corpus(corpus: ParallelCorpus, src_lang: str, tgt_lang: str,

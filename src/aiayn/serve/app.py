@@ -178,7 +178,7 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
     The model runs on one worker thread; the batcher starts and stops with the app's lifespan
     (stopping finishes every queued request first).
     """
-    from aiayn.data.text import preprocess_lines
+    from aiayn.data.text import model_text
     from aiayn.decoding import translate_nbest
     from aiayn.model.transformer import count_parameters
     from aiayn.viz.attention import attention_maps
@@ -191,7 +191,7 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
 
     def run_batch(lines: list[str], key: tuple[int, float, int]):
         beam, alpha, nbest = key
-        lines = preprocess_lines(lines, config.data.src_lang, config.data.preprocess)
+        lines = model_text(lines, config.data)
         return translate_nbest(model, vocab, lines, beam_size=beam, alpha=alpha, nbest=nbest,
                                max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
                                batch_size=limits.max_batch_lines, long_inputs="error")
@@ -279,10 +279,9 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
         # the model's own output may be longer than the bound on what a client may send
         max_len_b = min(decode.max_len_b, limits.max_attention_tokens)
         try:
-            source, target = (preprocess_lines([text], lang, config.data.preprocess)[0]
+            source, target = (model_text([text], config.data, side)[0]
                               if text is not None else None
-                              for text, lang in ((req.source, config.data.src_lang),
-                                                 (req.target, config.data.tgt_lang)))
+                              for text, side in ((req.source, "src"), (req.target, "tgt")))
             maps = await batcher().run_exclusive(lambda: attention_maps(
                 model, vocab, source, target, beam_size=beam, alpha=alpha,
                 max_len_a=decode.max_len_a, max_len_b=max_len_b))

@@ -187,7 +187,9 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
                                max_len_b=d.max_len_b, batch_size=d.batch_size,
                                bf16=config.train.bf16)
         refs = valid.tgt[:k]
-        if config.data.preprocess == "lc-norm-tok":  # already the Multi30k protocol's text
+        from aiayn.data.text import is_protocol_text
+
+        if is_protocol_text(config.data.preprocess):  # already the Multi30k protocol's text
             out["valid_bleu"] = multi30k_tok_bleu(hyps, refs, config.data.tgt_lang,
                                                   pretokenized=True)
             out["valid_chrf"] = chrf_score(hyps, refs)[0]
