@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="image to write (default: RUN_DIR/curves.png)")
 
 
-def _titles(run_dir: Path) -> tuple[str, str]:
+def panel_titles(run_dir: Path) -> tuple[str, str]:
     """Titles of the BLEU and learning-rate panels, named after the run's config.json (the
     protocol its validation BLEU used, its schedule); the defaults' when there is none."""
     data, train = {}, {}
@@ -58,7 +58,7 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         except json.JSONDecodeError:
             raise ValueError(f"{path}, line {number}: not JSON") from None
         (train if record.get("kind") == "train" else valid).append(record)
-    bleu_title, lr_title = _titles(run_dir)
+    bleu_title, lr_title = panel_titles(run_dir)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     ax = axes[0][0]
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (smoothed)")
