@@ -17,9 +17,19 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
                  "--set", "data.train_limit=4000", "--set", "train.max_steps=240",
                  "--set", "train.lr_scale=1.0", "--set", "train.checkpoint_every_steps=60",
                  "--set", "train.eval_every_steps=120", "--set", "decode.batch_size=250",
-                 "--average", "3", "--json"])
+                 "--average", "3", "1", "--json"])
     assert code == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    # each averaging width was scored on val; the better one is the model on disk that
+    # translated the test set
+    by_average = results["valid_bleu_by_average"]
+    assert set(by_average) == {"3", "1"} and all(set(v) == {"0.6"} for v in by_average.values())
+    width = max(("3", "1"), key=lambda k: by_average[k]["0.6"])
+    assert results["valid_bleu_by_alpha"] == by_average[width]
+    assert results["averaged"] == ["step-00000120", "step-00000180", "step-00000240"][-int(width):]
+    meta = json.loads((run_dir / "averaged" / "meta.json").read_text())
+    assert [Path(p).name for p in meta["averaged_from"]] == results["averaged"]
 
     for name in ("config.json", "tokenizer.json", "metrics.jsonl", "train_summary.json",
                  "results.json", "curves.png", "test.hyp.de", "averaged/model.safetensors",
@@ -29,7 +39,6 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
         ["step-00000120", "step-00000180", "step-00000240"]
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert results["averaged"] == ["step-00000120", "step-00000180", "step-00000240"]
 
     train = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in train if r["kind"] == "train"]
@@ -44,3 +53,4 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
         assert 0.0 <= results[key] <= 100.0
     assert results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert results["multi30k_tok_reference"].endswith("test_2016_flickr.lc.norm.tok.de.gz")
+

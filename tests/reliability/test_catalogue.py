@@ -325,6 +325,8 @@ CASES = [
       "--time-budget-min nan", "time_budget_s", "nan"),
     C("pipeline", "--average 0", "pipeline --preset tiny --run-dir {ws}/p --average 0",
       "--average", "0"),
+    C("pipeline", "--average wider than train.keep_last", "pipeline --preset tiny "
+      "--run-dir {ws}/p --average 3 4", "--average 4", "train.keep_last=4"),
     C("pipeline", "--resume with no checkpoint", "pipeline --preset tiny --run-dir {ws}/folder "
       "--resume", "{ws}/folder"),
     C("pipeline", "unknown target language", "pipeline --preset tiny --run-dir {ws}/p "

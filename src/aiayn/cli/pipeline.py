@@ -21,8 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run directory (default: runs/<dataset>-<src>-<tgt>)")
     p.add_argument("--time-budget-min", type=float, default=None, metavar="MIN",
                    help="minutes of training (default: the preset's train.time_budget_s)")
-    p.add_argument("--average", type=int, default=None, metavar="K",
-                   help="checkpoints to average (default: the preset's train.keep_last)")
+    p.add_argument("--average", type=int, nargs="+", default=None, metavar="K",
+                   help="how many of the last checkpoints to average (§6.1); several values "
+                        "are each tried on the whole validation set, with every alpha, and "
+                        "the best pair there translates the test set (default: the preset's "
+                        "train.keep_last; a value above it needs --set train.keep_last=K)")
     p.add_argument("--alphas", type=float, nargs="+", default=None, metavar="ALPHA",
                    help="length penalties alpha (§6.1, Wu et al. 2016's lp; 0 = none) to try with beam "
                         "search on the whole validation set; the best one there translates "
@@ -67,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(msg, flush=True)
 
-    if args.average is not None and args.average < 1:
-        raise ValueError(f"--average must be at least 1, got {args.average}")
+    if args.average is not None and min(args.average) < 1:
+        raise ValueError(f"--average must be at least 1, got {min(args.average)}")
     overrides = list(args.set)
     if args.src_lang:
         overrides.append(f"data.src_lang={args.src_lang}")
@@ -83,6 +86,16 @@ def run(args: argparse.Namespace) -> int:
     if test is None or len(test) == 0:
         raise ValueError(f"aiayn pipeline needs a named dataset with a test split, not "
                          f"data.dataset={d.dataset!r}; use aiayn train / average / evaluate")
+    # the run's own keep_last on --resume (its config.json), so a wider average fails now and
+    # not after an hour of training
+    kept = config.train.keep_last
+    if args.resume and (run_dir / "config.json").is_file():
+        kept = load_config(str(run_dir / "config.json"), overrides).train.keep_last
+    widths = list(dict.fromkeys(args.average or [kept]))
+    if max(widths) > kept:
+        raise ValueError(f"--average {max(widths)}: the run keeps only its last {kept} "
+                         f"checkpoints (train.keep_last); add --set train.keep_last="
+                         f"{max(widths)}")
     device = choose_device(args.device)  # one device for training and decoding
     t0 = time.monotonic()
     say(f"[1/4] training {config.name} ({d.dataset} {d.src_lang}->{d.tgt_lang}) in {run_dir}")
@@ -97,19 +110,18 @@ def run(args: argparse.Namespace) -> int:
               f"--resume --run-dir {run_dir} --preset {args.preset}", file=sys.stderr)
         return 128 + int(signum)
 
-    k = args.average or config.train.keep_last
-    found = list_checkpoints(run_dir)[-k:]
-    say(f"[2/4] averaging the last {len(found)} checkpoints (§6.1): "
-        f"{', '.join(p.name for p in found)}")
-    averaged = average_checkpoints(found, run_dir / "averaged")
-
     dc = config.decode
     from aiayn.data.text import is_protocol_text
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
-    model, run_config, vocab = load_checkpoint(averaged, device)
 
-    def translate(lines: list[str], alpha: float) -> list[str]:
+    def average(k: int) -> tuple[list[Path], Any, Any, Any]:
+        found = list_checkpoints(run_dir)[-k:]
+        say(f"[2/4] averaging the last {len(found)} checkpoints (§6.1): "
+            f"{', '.join(p.name for p in found)}")
+        return (found, *load_checkpoint(average_checkpoints(found, run_dir / "averaged"), device))
+
+    def translate(model: Any, lines: list[str], alpha: float) -> list[str]:
         return translate_lines(model, vocab, lines, beam_size=dc.beam_size, alpha=alpha,
                                max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
                                batch_size=dc.batch_size, bf16=run_config.train.bf16,
@@ -122,24 +134,32 @@ def run(args: argparse.Namespace) -> int:
             return multi30k_tok_bleu(hyps, refs, d.tgt_lang, pretokenized=lc_tok)
         return sacrebleu_scores(hyps, refs)["bleu"]
 
-    # §6.2's rule: settings are chosen on the development set, never on the test set
+    # §6.2's rule: settings are chosen on the development set, never on the test set. Every
+    # averaging width is tried with every alpha; ties go to the first given.
     alphas = args.alphas or [dc.alpha]
     valid = load_split(d, "valid")
-    valid_bleu: dict[str, float] = {}
-    alpha = dc.alpha
+    by_average: dict[str, dict[str, float]] = {}
+    width, alpha = widths[0], dc.alpha
     if valid is not None and len(valid):
-        say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
-            f"alpha {', '.join(map(str, alphas))}")
         refs = valid.tgt if lc_tok or d.dataset != "multi30k" else \
             [multi30k_tokenize(r, d.tgt_lang) for r in valid.tgt]
-        for a in alphas:
-            valid_bleu[str(a)] = round(bleu_of(translate(valid.src, a), refs), 2)
-            say(f"      val BLEU at alpha {a}: {valid_bleu[str(a)]:.2f}")
-        alpha = max(alphas, key=lambda a: valid_bleu[str(a)])
+        for k in widths:
+            found, model, run_config, vocab = average(k)
+            say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
+                f"alpha {', '.join(map(str, alphas))}")
+            scores_k = by_average[str(k)] = {}
+            for a in alphas:
+                scores_k[str(a)] = round(bleu_of(translate(model, valid.src, a), refs), 2)
+                say(f"      val BLEU, last {k} averaged, alpha {a}: {scores_k[str(a)]:.2f}")
+        width, alpha = max(((k, a) for k in widths for a in alphas),
+                           key=lambda ka: by_average[str(ka[0])][str(ka[1])])
+    valid_bleu = by_average.get(str(width), {})
+    if not by_average or width != widths[-1]:  # the chosen average is the one on disk
+        found, model, run_config, vocab = average(width)
     say(f"[3/4] translating {len(test)} test sentences: beam {dc.beam_size}, alpha {alpha}, "
         f"max length input + {dc.max_len_b}")
     t1 = time.monotonic()
-    hyps = translate(test.src, alpha)
+    hyps = translate(model, test.src, alpha)
     decode_s = time.monotonic() - t1
     hyp_path = run_dir / f"test.hyp.{d.tgt_lang}"
     write_atomic(hyp_path, "".join(h + "\n" for h in hyps))
@@ -161,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         # beam-search BLEU on the whole validation set at each alpha tried (the headline
         # protocol: Multi30k's on Multi30k), the test set translated once with the best
         "valid_bleu_by_alpha": valid_bleu,
+        # the same for every averaging width tried ({"5": {"0.6": ...}}), the chosen one above
+        "valid_bleu_by_average": by_average,
         # the text the model reads and writes: "none" (cased, detokenized, scored with
         # sacreBLEU) or "lc-norm-tok" (the Multi30k protocol's text, scored as it is)
         "text": d.preprocess, "lr_schedule": config.train.lr_schedule,
@@ -188,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results))
         return 0
     print(f"\nResults on {d.dataset} {results['test_set']} ({d.src_lang}->{d.tgt_lang}), "
-          f"averaged model, beam {dc.beam_size}, alpha {alpha}:")
+          f"the last {len(found)} checkpoints averaged, beam {dc.beam_size}, alpha {alpha}:")
     if lc_tok:
         print(f"  text: lowercased, normalized, Moses-tokenized (data.preprocess = lc-norm-tok); "
               f"chrF {results['sacrebleu_chrf']:.2f} on that text")
@@ -200,9 +222,9 @@ def run(args: argparse.Namespace) -> int:
               "(lowercased, normalized, Moses-tokenized)")
     if results["bleu_signature"]:
         print(f"  {results['bleu_signature']}")
-    if valid_bleu:
-        print("  validation set, same beam, headline protocol: " + ", ".join(
-            f"BLEU {b:.2f} at alpha {a}" for a, b in valid_bleu.items()))
+    for k, by_alpha in by_average.items():
+        print(f"  validation set, same beam, headline protocol, last {k} averaged: " + ", ".join(
+            f"BLEU {b:.2f} at alpha {a}" for a, b in by_alpha.items()))
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps; "
           f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, {png.name}, "
           f"{hyp_path.name})")
