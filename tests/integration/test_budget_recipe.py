@@ -251,8 +251,8 @@ def test_curves_name_the_runs_protocol_and_schedule(tmp_path: Path) -> None:
     from aiayn.cli.plot import panel_titles
 
     assert panel_titles(tmp_path) == ("validation BLEU (greedy, sacreBLEU cased)",
-                                 "learning rate (§5.3, eq. 3)")
+                                      "learning rate (§5.3, eq. 3)")
     (tmp_path / "config.json").write_text(json.dumps(
         {"data": {"preprocess": "lc-norm-tok"}, "train": {"lr_schedule": "linear"}}))
     assert panel_titles(tmp_path) == ("validation BLEU (greedy, Multi30k protocol)",
-                                 "learning rate (linear decay to zero at the budget)")
+                                      "learning rate (linear decay to zero at the budget)")

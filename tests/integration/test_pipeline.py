@@ -53,4 +53,3 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
         assert 0.0 <= results[key] <= 100.0
     assert results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert results["multi30k_tok_reference"].endswith("test_2016_flickr.lc.norm.tok.de.gz")
-
