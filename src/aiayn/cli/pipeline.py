@@ -115,13 +115,16 @@ def run(args: argparse.Namespace) -> int:
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
 
-    def average(k: int) -> tuple[list[Path], Any, Any, Any]:
+    def average(k: int) -> tuple[list[Path], tuple[Any, Any, Any]]:
+        """The last ``k`` checkpoints averaged into run_dir/averaged, and that model loaded:
+        (their paths, (model, run config, vocabulary))."""
         found = list_checkpoints(run_dir)[-k:]
         say(f"[2/4] averaging the last {len(found)} checkpoints (§6.1): "
             f"{', '.join(p.name for p in found)}")
-        return (found, *load_checkpoint(average_checkpoints(found, run_dir / "averaged"), device))
+        return found, load_checkpoint(average_checkpoints(found, run_dir / "averaged"), device)
 
-    def translate(model: Any, lines: list[str], alpha: float) -> list[str]:
+    def translate(loaded: tuple[Any, Any, Any], lines: list[str], alpha: float) -> list[str]:
+        model, run_config, vocab = loaded
         return translate_lines(model, vocab, lines, beam_size=dc.beam_size, alpha=alpha,
                                max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
                                batch_size=dc.batch_size, bf16=run_config.train.bf16,
@@ -144,22 +147,22 @@ def run(args: argparse.Namespace) -> int:
         refs = valid.tgt if lc_tok or d.dataset != "multi30k" else \
             [multi30k_tokenize(r, d.tgt_lang) for r in valid.tgt]
         for k in widths:
-            found, model, run_config, vocab = average(k)
+            found, loaded = average(k)
             say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
                 f"alpha {', '.join(map(str, alphas))}")
             scores_k = by_average[str(k)] = {}
             for a in alphas:
-                scores_k[str(a)] = round(bleu_of(translate(model, valid.src, a), refs), 2)
+                scores_k[str(a)] = round(bleu_of(translate(loaded, valid.src, a), refs), 2)
                 say(f"      val BLEU, last {k} averaged, alpha {a}: {scores_k[str(a)]:.2f}")
         width, alpha = max(((k, a) for k in widths for a in alphas),
                            key=lambda ka: by_average[str(ka[0])][str(ka[1])])
     valid_bleu = by_average.get(str(width), {})
     if not by_average or width != widths[-1]:  # the chosen average is the one on disk
-        found, model, run_config, vocab = average(width)
+        found, loaded = average(width)
     say(f"[3/4] translating {len(test)} test sentences: beam {dc.beam_size}, alpha {alpha}, "
         f"max length input + {dc.max_len_b}")
     t1 = time.monotonic()
-    hyps = translate(model, test.src, alpha)
+    hyps = translate(loaded, test.src, alpha)
     decode_s = time.monotonic() - t1
     hyp_path = run_dir / f"test.hyp.{d.tgt_lang}"
     write_atomic(hyp_path, "".join(h + "\n" for h in hyps))
