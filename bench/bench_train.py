@@ -4,7 +4,9 @@
     AIAYN_DATA_DIR=../shared/data python bench/bench_train.py [--presets multi30k base] [--json]
 
 For each preset, on the same Multi30k en-de batches (shared BPE 8000, length-sorted batches of
-``--max-tokens`` tokens a side, shuffled as training shuffles them), it times:
+``--max-tokens`` tokens a side, shuffled as training shuffles them), each contender runs the
+same ``--steps`` batches ``--warmup`` times untimed (the first pass builds each shape's oneDNN
+kernels, as a run's first epoch does, so that no contender inherits another's), then once timed:
 
 - ``aiayn``: :class:`aiayn.training.loop.Trainer`'s own ``train_step`` (collate, forward,
   label-smoothed loss, backward, gradient norm, Adam, the learning-rate schedule), fp32, bf16
@@ -40,6 +42,7 @@ from aiayn.config import load_config
 from aiayn.data.batching import collate, encode_corpus
 from aiayn.data.corpus import load_dataset
 from aiayn.data.vocab import PAD_ID, Vocabulary
+from aiayn.devices import widen_onednn_cache
 from aiayn.training.loop import Trainer
 from aiayn.training.loss import label_smoothed_loss
 
@@ -97,14 +100,17 @@ def matmul_rate(size: int = 2048, reps: int = 6) -> float:
     return reps * 2 * size**3 / (time.perf_counter() - t0)
 
 
-def time_aiayn(config, vocab, enc, steps: int, warmup: int) -> tuple[float, list[list[int]]]:
-    """Target tokens/s of the Trainer's own step; also the batches it used, in order."""
+def time_aiayn(config, vocab, enc, steps: int, passes: int) -> tuple[float, list[list[int]]]:
+    """Target tokens/s of the Trainer's own step over the first ``steps`` batches of its first
+    epoch, timed after ``passes`` untimed passes over the same batches; also those batches."""
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         trainer = Trainer(config, tmp, vocab, enc, device="cpu", progress=False)
-        used = trainer.batches_of_epoch(0)[: warmup + steps]
-        for _ in range(warmup):
-            trainer.train_step()
+        used = trainer.batches_of_epoch(0)[:steps]
+        for _ in range(passes):
+            for _ in range(steps):
+                trainer.train_step()
+            trainer.state.batch_in_epoch = 0  # the same batches again
         tokens, t0 = 0.0, time.perf_counter()
         for _ in range(steps):
             tokens += trainer.train_step()["tokens"]
@@ -112,15 +118,16 @@ def time_aiayn(config, vocab, enc, steps: int, warmup: int) -> tuple[float, list
 
 
 def time_peer(cfg, enc, order: list[list[int]], bf16: bool, ours_loss: bool,
-              warmup: int) -> float:
-    """Target tokens/s of ``torch.nn.Transformer`` on the batches ``order``."""
+              passes: int) -> float:
+    """Target tokens/s of ``torch.nn.Transformer`` on the batches ``order``, timed after
+    ``passes`` untimed passes over them."""
     torch.manual_seed(0)
     model = TorchTransformer(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     model.train()
     tokens, start = 0, None
-    for i, idx in enumerate(order):
-        if i == warmup:
+    for i, idx in enumerate(order * (passes + 1)):
+        if i == passes * len(order):
             tokens, start = 0, time.perf_counter()
         b = collate(enc, idx)
         ac = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
@@ -144,13 +151,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["multi30k", "base"],
                    help="presets to measure (default: multi30k base)")
-    p.add_argument("--max-tokens", type=int, default=4096,
-                   help="tokens per batch on each side (the multi30k preset's 4096)")
+    p.add_argument("--max-tokens", type=int, default=2048,
+                   help="tokens per batch on each side (the multi30k preset's 2048)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed passes over the timed batches first: the first pass builds "
+                        "each shape's oneDNN kernels, as a run's first epoch does")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
+    widen_onednn_cache()  # as training does, for every contender
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = load_dataset("multi30k", "train", "en", "de")
@@ -177,7 +187,7 @@ def main() -> None:
         for name, bf16, ours_loss in (("torch_fp32", False, False), ("torch_bf16", True, False),
                                       ("torch_bf16_aiayn_loss", True, True)):
             row[name] = time_peer(cfg, enc, order, bf16, ours_loss, args.warmup)
-        timed = order[args.warmup:]
+        timed = order
         tokens = sum(int(tgt_len[i]) for idx in timed for i in idx)
         flops = sum(pair_flops(cfg, int(src_len[i]), int(tgt_len[i]))
                     for idx in timed for i in idx)
