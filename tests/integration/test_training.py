@@ -3,6 +3,7 @@ non-finite steps, crash-safe checkpoints, and two processes agreeing with one.""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -23,10 +24,12 @@ from safetensors.torch import load_file
 from aiayn.checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
 from aiayn.decoding import translate_lines
+from aiayn.devices import ONEDNN_CACHE_CAPACITY, widen_onednn_cache
 from aiayn.errors import DataError, UserError
+from aiayn.model import Transformer
 from aiayn.training.average import average_checkpoints
 from aiayn.training.loss import label_smoothed_loss
-from aiayn.training.loop import StopTraining
+from aiayn.training.loop import StopTraining, build_optimizer
 from aiayn.training.run import run_training
 from aiayn.training.schedule import learning_rate
 
@@ -125,6 +128,41 @@ def test_label_smoothed_loss_gradient_matches_torch(eps: float) -> None:
     (2.5 * loss_bf).backward()
     assert bf.grad.dtype == torch.bfloat16
     assert torch.allclose(bf.grad.double(), logits.grad, atol=2e-2)
+
+
+def test_fused_adam_makes_the_per_parameter_loops_update() -> None:
+    """build_optimizer's fused Adam (§5.3 betas and epsilon) moves every weight as the
+    reference per-parameter Adam does, step after step, and keeps its state_dict layout."""
+    tc = TrainConfig()
+    model = Transformer(ModelConfig(N=1, d_model=32, d_ff=64, h=2, d_k=16, d_v=16,
+                                    vocab_size=50, max_len=16))
+    reference = copy.deepcopy(model)
+    ours = build_optimizer(model, tc)
+    assert ours.defaults["fused"] is True
+    theirs = torch.optim.Adam(reference.parameters(), lr=0.0, betas=(tc.adam_beta1,
+                              tc.adam_beta2), eps=tc.adam_eps, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    for lr in (1e-3, 5e-4, 2e-3):
+        for p, q in zip(model.parameters(), reference.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        for opt in (ours, theirs):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert ours.state_dict()["state"].keys() == theirs.state_dict()["state"].keys()
+    assert sorted(ours.state_dict()["state"][0]) == sorted(theirs.state_dict()["state"][0])
+
+
+def test_widen_onednn_cache_keeps_a_users_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    widen_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
+    widen_onednn_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
 
 
 def test_label_smoothed_loss_rejects_mismatched_shapes() -> None:
