@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
 # Primitives oneDNN keeps, one per matrix-product shape and pass (forward, the two backward
-# products). Its default, 1024, is smaller than the ~2,300 that a multi30k epoch of bf16
+# products). Its default, 1024, is smaller than the ~1,330 that a multi30k epoch of bf16
 # training uses, so every epoch re-created ~940 of them at ~7 ms each (measured with
 # ONEDNN_VERBOSE=profile_create: 6.3 s of a 108 s epoch). 8192 holds them all.
 ONEDNN_CACHE_CAPACITY = 8192
