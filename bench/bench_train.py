@@ -42,7 +42,6 @@ from aiayn.config import load_config
 from aiayn.data.batching import collate, encode_corpus
 from aiayn.data.corpus import load_dataset
 from aiayn.data.vocab import PAD_ID, Vocabulary
-from aiayn.devices import widen_onednn_cache
 from aiayn.training.loop import Trainer
 from aiayn.training.loss import label_smoothed_loss
 
@@ -160,7 +159,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
-    widen_onednn_cache()  # as training does, for every contender
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = load_dataset("multi30k", "train", "en", "de")
@@ -187,10 +185,9 @@ def main() -> None:
         for name, bf16, ours_loss in (("torch_fp32", False, False), ("torch_bf16", True, False),
                                       ("torch_bf16_aiayn_loss", True, True)):
             row[name] = time_peer(cfg, enc, order, bf16, ours_loss, args.warmup)
-        timed = order
-        tokens = sum(int(tgt_len[i]) for idx in timed for i in idx)
+        tokens = sum(int(tgt_len[i]) for idx in order for i in idx)
         flops = sum(pair_flops(cfg, int(src_len[i]), int(tgt_len[i]))
-                    for idx in timed for i in idx)
+                    for idx in order for i in idx)
         flops_per_token = flops / tokens
         best = max(row["aiayn_bf16"], row["aiayn_bf16_weights"])
         row.update({

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from aiayn.checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
 from aiayn.decoding import translate_lines
-from aiayn.devices import ONEDNN_CACHE_CAPACITY, widen_onednn_cache
+from aiayn.devices import ONEDNN_CACHE_CAPACITY
 from aiayn.errors import DataError, UserError
 from aiayn.model import Transformer
 from aiayn.training.average import average_checkpoints
@@ -156,13 +156,18 @@ def test_fused_adam_makes_the_per_parameter_loops_update() -> None:
     assert sorted(ours.state_dict()["state"][0]) == sorted(theirs.state_dict()["state"][0])
 
 
-def test_widen_onednn_cache_keeps_a_users_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    widen_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_CAPACITY)
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
-    widen_onednn_cache()
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
+@pytest.mark.parametrize("preset", [None, "64"])
+def test_importing_aiayn_widens_the_onednn_cache_unless_the_user_set_it(preset) -> None:
+    """A fresh process: ``import aiayn`` (before torch, as the CLI does) leaves oneDNN's cache
+    capacity at ONEDNN_CACHE_CAPACITY, or at the user's own value."""
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    if preset is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = preset
+    code = ("import os, sys, aiayn.cli; "
+            "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == [preset or str(ONEDNN_CACHE_CAPACITY), "False"]
 
 
 def test_label_smoothed_loss_rejects_mismatched_shapes() -> None:

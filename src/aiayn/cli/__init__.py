@@ -10,7 +10,6 @@ import os
 import sys
 
 from aiayn import __version__
-from aiayn.devices import widen_onednn_cache
 from aiayn.errors import UserError
 
 # name -> module (in the order `aiayn --help` lists them)
@@ -64,7 +63,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    widen_onednn_cache()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):

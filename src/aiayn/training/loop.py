@@ -38,7 +38,6 @@ from aiayn.config import Config
 from aiayn.data.batching import EncodedCorpus, collate, make_batches
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
-from aiayn.devices import widen_onednn_cache
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
@@ -118,7 +117,7 @@ def build_optimizer(model: nn.Module, tc: Any) -> torch.optim.Optimizer:
     the ``multi30k`` preset's 127 tensors on 2 threads), and the same ``state_dict``.
     """
     params = list(model.parameters())
-    fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    fused = all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.Adam(params, lr=0.0, betas=(tc.adam_beta1, tc.adam_beta2),
                             eps=tc.adam_eps, weight_decay=tc.weight_decay, fused=fused or None)
 
@@ -162,7 +161,6 @@ class Trainer:
         metrics: MetricsSink | None = None,
         checkpointer: Checkpointer | None = None,
     ) -> None:
-        widen_onednn_cache()  # a no-op once a bf16 product has run; the CLI calls it first
         self.config = config
         self.tc = config.train
         self.run_dir = Path(run_dir)
