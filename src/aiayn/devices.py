@@ -28,6 +28,34 @@ def widen_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
 
 
+def cpu_times(stat: str = "/proc/stat") -> tuple[int, int] | None:
+    """(steal, total) time of all CPUs since boot, in clock ticks, from Linux's ``/proc/stat``;
+    None where it cannot be read (not Linux) or has no steal column (kernels before 2.6.11).
+
+    Steal is the time a virtual machine's CPUs were ready to run but the host ran something
+    else. On a shared cloud host it can take most of a CPU for minutes at a time, and a run's
+    tokens per second fall with it, so training logs it beside its throughput."""
+    try:
+        with open(stat, encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    # cpu user nice system idle iowait irq softirq steal [guest guest_nice]: guest time is
+    # already counted in user and nice, so the total is the first eight columns
+    ticks = [int(x) for x in fields[1:9]]
+    return ticks[7], sum(ticks)
+
+
+def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen by the host between two :func:`cpu_times` readings, in
+    percent (0-100); None when either reading is missing or no time passed."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
+
+
 def choose_device(name: str | torch.device | None = None, local_rank: int = 0) -> torch.device:
     """``name`` checked against this machine; None: ``cuda`` when a GPU is present, else ``cpu``.
 

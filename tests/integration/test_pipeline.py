@@ -51,5 +51,7 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
     assert hyps[-1] == "" and len(hyps) - 1 == n_src == 1000
     for key in ("sacrebleu_bleu", "sacrebleu_chrf", "multi30k_tok_bleu"):
         assert 0.0 <= results[key] <= 100.0
+    if Path("/proc/stat").exists():  # Linux: how much of training the host took
+        assert 0.0 <= results["train_cpu_steal_pct"] <= 100.0
     assert results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert results["multi30k_tok_reference"].endswith("test_2016_flickr.lc.norm.tok.de.gz")

@@ -12,6 +12,7 @@ from rel_helpers import small_config
 
 from aiayn.data.batching import encode_corpus
 from aiayn.data.vocab import Vocabulary
+from aiayn.devices import cpu_times, steal_percent
 from aiayn.model import Transformer
 from aiayn.training.loop import Trainer, build_model
 from aiayn.training.parts import MetricsSink
@@ -50,6 +51,9 @@ def test_injected_model_optimizer_and_sink_are_used(tmp_path: Path) -> None:
     assert summary["steps"] == 4
     assert [r["step"] for r in sink.records if r["kind"] == "train"] == [1, 2, 3, 4]
     assert [r["step"] for r in sink.records if r["kind"] == "valid"] == [2, 4]
+    if cpu_times() is not None:  # Linux: every train record says how much the host stole
+        steals = [r["cpu_steal_pct"] for r in sink.records if r["kind"] == "train"]
+        assert len(steals) == 4 and all(0.0 <= x <= 100.0 for x in steals)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # the sink got them instead
     assert all(g["lr"] > 0 for g in optimizer.param_groups)  # the §5.3 schedule drove it
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -61,3 +65,22 @@ def test_the_pad_id_must_be_the_vocabularys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pad_id=3"):
         Trainer(bad, tmp_path / "run", vocab, train, progress=False,
                 model=Transformer(bad.model))
+
+
+def test_cpu_times_reads_the_steal_column_of_proc_stat(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    # a line of a real /proc/stat (Linux 6.x): user nice system idle iowait irq softirq steal
+    # guest guest_nice; guest time is already inside user, so it is not added again
+    stat.write_text("cpu  10935567 7772 602914 2502354 15804 0 12205 410980 55 7\n"
+                    "cpu0 5467783 3886 301457 1251177 7902 0 6102 205490 0 0\n")
+    assert cpu_times(str(stat)) == (410980, 10935567 + 7772 + 602914 + 2502354 + 15804
+                                    + 12205 + 410980)
+    stat.write_text("cpu  1 2 3 4\n")  # too old a kernel to report steal
+    assert cpu_times(str(stat)) is None
+    assert cpu_times(str(tmp_path / "missing")) is None
+
+
+def test_steal_percent_is_the_stolen_share_of_the_interval() -> None:
+    assert steal_percent((100, 1000), (400, 2000)) == pytest.approx(30.0)
+    assert steal_percent((100, 1000), (100, 1000)) is None  # no time passed
+    assert steal_percent(None, (1, 2)) is None and steal_percent((1, 2), None) is None

@@ -179,6 +179,9 @@ def run(args: argparse.Namespace) -> int:
         "parameters": summary["parameters"], "train_steps": summary["steps"],
         "train_epochs": summary["epochs"], "train_wall_s": round(summary["elapsed_s"], 1),
         "pipeline_wall_s": None, "decode_wall_s": round(decode_s, 1),
+        # the share of CPU time the host took during training (Linux; absent elsewhere): runs
+        # on a shared machine compare only when this is small
+        "train_cpu_steal_pct": summary.get("cpu_steal_pct"),
         "threads": torch.get_num_threads(), "averaged": [p.name for p in found],
         "beam_size": dc.beam_size, "alpha": alpha,
         # beam-search BLEU on the whole validation set at each alpha tried (the headline

@@ -38,6 +38,7 @@ from aiayn.config import Config
 from aiayn.data.batching import EncodedCorpus, collate, make_batches
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
+from aiayn.devices import cpu_times, steal_percent
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
@@ -412,6 +413,7 @@ class Trainer:
         window, last_valid, bad_in_a_row = Window(), {}, 0
         stop_reason = "max_steps"
         self._clock = time.monotonic()
+        cpu_start = cpu_times()
         try:
             with self._signals_caught():
                 while s.step < tc.max_steps:
@@ -433,8 +435,11 @@ class Trainer:
                         record = window.record(s.step, s.epoch, fig["lr"], s.elapsed_s,
                                                s.nonfinite_total)
                         self.metrics.log(record)
-                        bar.update(s.step, s.elapsed_s, step=s.step, loss=f"{record['loss']:.3f}",
-                                   lr=f"{fig['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+                        shown = dict(step=s.step, loss=f"{record['loss']:.3f}",
+                                     lr=f"{fig['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+                        if record.get("cpu_steal_pct", 0.0) >= 5.0:  # a shared host is slow
+                            shown["steal"] = f"{record['cpu_steal_pct']:.0f}%"
+                        bar.update(s.step, s.elapsed_s, **shown)
                         window = Window()
                     if s.step % tc.eval_every_steps == 0:
                         last_valid = self._evaluate_and_track()
@@ -454,6 +459,9 @@ class Trainer:
             "nonfinite_total": s.nonfinite_total,
             "parameters": count_parameters(self.model), **last_valid,
         }
+        steal = steal_percent(cpu_start, cpu_times())
+        if steal is not None:  # over this call's wall time (validation included)
+            summary["cpu_steal_pct"] = round(steal, 1)
         if self.dist.is_main:
             write_json_atomic(self.run_dir / "train_summary.json", summary)
         return summary

@@ -18,6 +18,7 @@ from aiayn.config import Config
 from aiayn.data.batching import Batch, EncodedCorpus, collate, make_batches
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
+from aiayn.devices import cpu_times, steal_percent
 
 
 class MetricsSink:
@@ -93,6 +94,7 @@ class Window:
     def __init__(self) -> None:
         self.tokens = self.loss = self.nll = 0.0
         self.t0 = time.monotonic()
+        self.cpu0 = cpu_times()
 
     def add(self, fig: dict[str, float]) -> None:
         self.tokens += fig["tokens"]
@@ -102,11 +104,15 @@ class Window:
     def record(self, step: int, epoch: int, lr: float, elapsed_s: float,
                nonfinite_total: int) -> dict[str, Any]:
         dt = max(time.monotonic() - self.t0, 1e-9)
-        return {"kind": "train", "step": step, "epoch": epoch,
-                "loss": self.loss / self.tokens, "nll": self.nll / self.tokens,
-                "ppl": math.exp(min(self.nll / self.tokens, 50.0)), "lr": lr,
-                "tokens_per_s": self.tokens / dt, "elapsed_s": round(elapsed_s, 2),
-                "nonfinite_total": nonfinite_total}
+        record = {"kind": "train", "step": step, "epoch": epoch,
+                  "loss": self.loss / self.tokens, "nll": self.nll / self.tokens,
+                  "ppl": math.exp(min(self.nll / self.tokens, 50.0)), "lr": lr,
+                  "tokens_per_s": self.tokens / dt, "elapsed_s": round(elapsed_s, 2),
+                  "nonfinite_total": nonfinite_total}
+        steal = steal_percent(self.cpu0, cpu_times())
+        if steal is not None:  # the machine's share of the slowdown, where Linux reports it
+            record["cpu_steal_pct"] = round(steal, 1)
+        return record
 
 
 def weights_finite(model: nn.Module) -> bool:
