@@ -96,7 +96,8 @@ def test_attention_answers_every_layer_and_head(url, loaded):
 
 def test_concurrent_requests_are_decoded_as_one_batch(loaded):
     model, config, vocab = loaded
-    limits = ServeLimits(max_lines=2, max_batch_lines=8, max_wait_ms=400)
+    # windows are generous: on a loaded host a thread can wait a second to be scheduled
+    limits = ServeLimits(max_lines=2, max_batch_lines=8, max_wait_ms=2500)
     results = []
     with serve_in_thread(create_app(model, config, vocab, limits)) as base:
         def one(i):
@@ -118,7 +119,7 @@ def test_concurrent_requests_are_decoded_as_one_batch(loaded):
     assert all(r.status_code == 200 for r in results)
     assert [r.json()["batch_lines"] for r in results[:4]] == [4, 4, 4, 4]
     assert [r.json()["batch_lines"] for r in results[4:]] == [8, 8, 8, 8]
-    assert full_s < 5  # did not wait for a window that a full batch need not wait for
+    assert full_s < 2.5  # did not wait for a window that a full batch need not wait for
 
 
 @pytest.mark.parametrize("body, message", [
@@ -208,7 +209,7 @@ def test_429_when_too_many_requests_are_in_flight(loaded):
 
 def test_429_when_the_queue_is_full(loaded):
     model, config, vocab = loaded
-    limits = ServeLimits(max_queue_lines=4, max_lines=3, max_batch_lines=8, max_wait_ms=1500)
+    limits = ServeLimits(max_queue_lines=4, max_lines=3, max_batch_lines=8, max_wait_ms=5000)
     with serve_in_thread(create_app(model, config, vocab, limits)) as base:
         first, second = _in_parallel([
             lambda: post(base, "/translate", {"lines": ["a", "b", "c"]}),
@@ -232,12 +233,12 @@ def test_503_once_the_batcher_has_stopped(loaded):
 
 def test_sigterm_finishes_the_request_in_flight(checkpoint, tmp_path):
     log = tmp_path / "serve.log"
-    with serve_process(checkpoint, "--max-wait-ms", "2500", log=log) as (proc, base):
+    with serve_process(checkpoint, "--max-wait-ms", "5000", log=log) as (proc, base):
         box = {}
         thread = threading.Thread(target=lambda: box.update(r=post(
             base, "/translate", {"lines": ["Two dogs play."]})))
         thread.start()
-        time.sleep(0.8)  # the request now waits in its batch window
+        time.sleep(2.0)  # the request now waits in its batch window (long, for a loaded host)
         proc.send_signal(signal.SIGTERM)
         thread.join(timeout=30)
         rc = proc.wait(timeout=30)
