@@ -40,8 +40,8 @@ def cpu_times(stat: str = "/proc/stat") -> tuple[int, int] | None:
             fields = f.readline().split()
     except OSError:
         return None
-    if len(fields) < 9 or fields[0] != "cpu":
-        return None
+    if len(fields) < 9 or fields[0] != "cpu" or not all(x.isdigit() for x in fields[1:9]):
+        return None  # a diagnostic: an unexpected format must never stop a training run
     # cpu user nice system idle iowait irq softirq steal [guest guest_nice]: guest time is
     # already counted in user and nice, so the total is the first eight columns
     ticks = [int(x) for x in fields[1:9]]

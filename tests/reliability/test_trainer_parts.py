@@ -77,6 +77,8 @@ def test_cpu_times_reads_the_steal_column_of_proc_stat(tmp_path: Path) -> None:
                                     + 12205 + 410980)
     stat.write_text("cpu  1 2 3 4\n")  # too old a kernel to report steal
     assert cpu_times(str(stat)) is None
+    stat.write_text("cpu  1 2 3 4 5 6 7 x 9\n")  # not numbers: no figure, no exception
+    assert cpu_times(str(stat)) is None
     assert cpu_times(str(tmp_path / "missing")) is None
 
 
