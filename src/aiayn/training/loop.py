@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 import os
 import signal
@@ -363,6 +364,17 @@ class Trainer:
         self.state.target_tokens += int(global_tokens)
         return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "lr": lr,
                 "grad_norm": grad_norm, "skipped": 0.0}
+
+    def release_process_group(self) -> None:
+        """Drop the DDP wrapper, whose reducer holds the process group; call it before
+        ``dist.destroy_process_group()``. The Trainer sits in a reference cycle (frames of
+        torch's lazy imports in Adam's constructor), so without this the reducer and gloo's
+        threads outlive the group into the interpreter's teardown, where a rank once aborted
+        ("terminate called without an active exception") on a heavily loaded host. The
+        Trainer can still save and validate afterwards, but no longer train on several
+        processes."""
+        self.ddp_model = self.compute_model
+        gc.collect()
 
     @torch.no_grad()
     def _sync_compute_weights(self) -> None:

@@ -3,7 +3,6 @@ and ``aiayn pipeline``)."""
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
@@ -180,11 +179,5 @@ def run_training(
         return trainer.fit()
     finally:
         if dist.is_initialized():
-            # DDP's reducer holds the process group. The Trainer sits in a reference cycle
-            # (the frames of torch's lazy imports in Adam's constructor), so without this
-            # the reducer and gloo's threads would outlive destroy_process_group into the
-            # interpreter's teardown, where a rank once aborted ("terminate called without
-            # an active exception") on a heavily loaded host.
-            trainer.ddp_model = trainer.compute_model
-            gc.collect()
+            trainer.release_process_group()
             dist.destroy_process_group()
