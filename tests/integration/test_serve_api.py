@@ -232,16 +232,20 @@ def test_503_once_the_batcher_has_stopped(loaded):
 
 
 def test_sigterm_finishes_the_request_in_flight(checkpoint, tmp_path):
+    # The request waits in a batch window (60 s) longer than the graceful timeout (20 s): it is
+    # answered only if the signal closes the window, else uvicorn cancels it at the timeout.
     log = tmp_path / "serve.log"
-    with serve_process(checkpoint, "--max-wait-ms", "5000", log=log) as (proc, base):
+    with serve_process(checkpoint, "--max-wait-ms", "60000", "--graceful-timeout-s", "20",
+                       log=log) as (proc, base):
         box = {}
         thread = threading.Thread(target=lambda: box.update(r=post(
             base, "/translate", {"lines": ["Two dogs play."]})))
         thread.start()
         time.sleep(2.0)  # the request now waits in its batch window (long, for a loaded host)
         proc.send_signal(signal.SIGTERM)
-        thread.join(timeout=30)
-        rc = proc.wait(timeout=30)
+        thread.join(timeout=60)
+        rc = proc.wait(timeout=60)
+    assert "r" in box, f"the request got no answer; the server log:\n{log.read_text()}"
     assert box["r"].status_code == 200 and box["r"].json()["translations"][0][0]["text"]
     assert rc == 0, log.read_text()
     with pytest.raises(httpx.ConnectError):

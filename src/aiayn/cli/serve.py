@@ -82,7 +82,14 @@ def run(args: argparse.Namespace) -> int:
           "after the requests in flight)", file=sys.stderr, flush=True)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets requests in flight finish
     # (up to the graceful timeout), then runs the app's shutdown, which drains the batcher.
-    server = uvicorn.Server(uvicorn.Config(
+    # The batcher's windows close at the signal, so a request in flight is decoded at once
+    # rather than when its window (--max-wait-ms) would have closed.
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            app.state.begin_shutdown()
+
+    server = Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_timeout_s,
         timeout_keep_alive=args.keep_alive_s, access_log=False))

@@ -309,8 +309,15 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
     async def index():
         return page
 
+    def begin_shutdown() -> None:
+        """Close the batcher's windows at once (:meth:`Batcher.flush`); a no-op before the app
+        has started. Safe to call from a signal handler."""
+        if "batcher" in state:
+            state["batcher"].flush()
+
     app.state.limits = limits
     app.state.batcher = batcher
+    app.state.begin_shutdown = begin_shutdown
     return app
 
 

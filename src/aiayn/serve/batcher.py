@@ -1,7 +1,8 @@
 """Dynamic batching: requests that arrive together are decoded as one batch.
 
 The first waiting request opens a window of ``max_wait_s``; the batch is run when the window
-closes or as soon as ``max_batch_lines`` lines are waiting, whichever comes first. Requests with
+closes or as soon as ``max_batch_lines`` lines are waiting, whichever comes first (on shutdown,
+:meth:`Batcher.flush` closes every window at once). Requests with
 different search settings (beam, alpha, n-best) are never mixed: the oldest request's settings
 pick the batch, and the others wait for the next one. The model runs on one worker thread, so
 it is never used by two batches at once and the event loop stays free to accept requests.
@@ -63,6 +64,7 @@ class Batcher:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
+        self._flushing = False
         self.batches_run = 0
 
     @property
@@ -71,6 +73,22 @@ class Batcher:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._worker())
+
+    def flush(self) -> None:
+        """Close every batch window now: what waits is decoded at once, and from then on each
+        request runs as soon as the model is free. New requests are still accepted (those in
+        flight when a shutdown begins must be answered; :meth:`stop` refuses them).
+
+        Safe to call from a signal handler or another thread: ``aiayn serve`` calls it on
+        SIGTERM/SIGINT, so that a shutdown does not wait up to ``max_wait_s`` for a window.
+        """
+        loop = self._task.get_loop() if self._task is not None else None
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flushing = True
+        self._wakeup.set()
 
     async def stop(self) -> None:
         """Refuse new work, finish every request already queued, then end the worker."""
@@ -129,7 +147,8 @@ class Batcher:
                 await self._wakeup.wait()
                 continue
             deadline = self._jobs[0].arrived + self.max_wait_s
-            while (not self._closing and self._queued_lines < self.max_batch_lines
+            while (not self._closing and not self._flushing
+                   and self._queued_lines < self.max_batch_lines
                    and (left := deadline - time.monotonic()) > 0):
                 self._wakeup.clear()
                 try:
