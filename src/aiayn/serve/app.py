@@ -131,27 +131,35 @@ class BodyLimit:
         await self.app(scope, limited_receive, guarded_send)
 
 
+@dataclass
+class InFlight:
+    """The POST requests being answered now (queued ones included); shared between
+    :class:`ConcurrencyLimit`, which counts them, and ``GET /info``, which reports them."""
+
+    requests: int = 0
+
+
 class ConcurrencyLimit:
     """ASGI middleware: at most ``max_concurrent`` POST requests are answered at once; one more
     answers 429 at once (no request waits unbounded)."""
 
-    def __init__(self, app, max_concurrent: int) -> None:
+    def __init__(self, app, max_concurrent: int, in_flight: InFlight | None = None) -> None:
         self.app = app
         self.max_concurrent = max_concurrent
-        self.in_flight = 0
+        self.in_flight = in_flight if in_flight is not None else InFlight()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        if self.in_flight >= self.max_concurrent:
+        if self.in_flight.requests >= self.max_concurrent:
             return await _send_json(
-                send, 429, f"too many requests in flight: {self.in_flight} are being answered "
-                f"(at most {self.max_concurrent}); retry later", {"retry-after": "1"})
-        self.in_flight += 1
+                send, 429, f"too many requests in flight: {self.in_flight.requests} are being "
+                f"answered (at most {self.max_concurrent}); retry later", {"retry-after": "1"})
+        self.in_flight.requests += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            self.in_flight.requests -= 1
 
 
 async def _send_json(send, status: int, detail: str, headers: dict | None = None) -> None:
@@ -213,7 +221,9 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
 
     app = FastAPI(title="aiayn", lifespan=lifespan,
                   description="Translate with a Transformer and look at its attention.")
-    app.add_middleware(ConcurrencyLimit, max_concurrent=limits.max_concurrent)
+    in_flight = InFlight()
+    app.add_middleware(ConcurrencyLimit, max_concurrent=limits.max_concurrent,
+                       in_flight=in_flight)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)  # outermost: runs first
 
     @app.exception_handler(RequestValidationError)
@@ -301,7 +311,15 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
                 "vocab_size": len(vocab), "checkpoint": checkpoint,
                 "decode": {"beam": decode.beam_size, "alpha": decode.alpha,
                            "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b},
-                "limits": asdict(limits)}
+                "limits": asdict(limits), "load": load()}
+
+    def load() -> dict:
+        """What the server is doing now: POST requests being answered, lines waiting for a
+        batch, batches decoded since it started."""
+        b = state.get("batcher")
+        return {"requests_in_flight": in_flight.requests,
+                "queued_lines": b.queued_lines if b is not None else 0,
+                "batches_run": b.batches_run if b is not None else 0}
 
     page = resources.files("aiayn.serve").joinpath("static/index.html").read_text("utf-8")
 
