@@ -108,6 +108,8 @@ def wait_for_load(base, **want):
 
 
 def in_thread(fn):
+    """Start ``fn()`` on a thread; returns (thread, box), where ``box["r"]`` is its result once
+    the thread has ended (absent if it has not, or if ``fn`` raised)."""
     box = {}
     thread = threading.Thread(target=lambda: box.update(r=fn()))
     thread.start()

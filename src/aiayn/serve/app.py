@@ -8,7 +8,8 @@ Endpoints:
 * ``POST /attention`` ``{"source": "...", "target": "..."}``: every layer and head of the
   three kinds of attention for one pair; without ``target``, the model's own beam output.
 * ``GET /health``: ``{"status": "ok"}``. ``GET /info``: the model's config, parameter count,
-  vocabulary size, decoding defaults and the server's limits.
+  vocabulary size, decoding defaults, the server's limits, and its ``load`` now
+  (``requests_in_flight``, ``queued_lines`` waiting for a batch, ``batches_run`` since start).
 
 Every input is bounded (:class:`ServeLimits`). A body or request too large answers 413, bad
 JSON or settings 422, a full queue or too many requests in flight 429, a server shutting down
@@ -143,10 +144,10 @@ class ConcurrencyLimit:
     """ASGI middleware: at most ``max_concurrent`` POST requests are answered at once; one more
     answers 429 at once (no request waits unbounded)."""
 
-    def __init__(self, app, max_concurrent: int, in_flight: InFlight | None = None) -> None:
+    def __init__(self, app, max_concurrent: int, in_flight: InFlight) -> None:
         self.app = app
         self.max_concurrent = max_concurrent
-        self.in_flight = in_flight if in_flight is not None else InFlight()
+        self.in_flight = in_flight
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST":
@@ -305,6 +306,14 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
     async def health():
         return {"status": "ok"}
 
+    def load() -> dict:
+        """What the server holds now: POST requests being answered, lines waiting for a
+        batch, batches decoded since it started (all 0 before the app has started)."""
+        b = state.get("batcher")
+        queued, runs = (b.queued_lines, b.batches_run) if b is not None else (0, 0)
+        return {"requests_in_flight": in_flight.requests, "queued_lines": queued,
+                "batches_run": runs}
+
     @app.get("/info")
     async def info():
         return {"model": asdict(config.model), "parameters": count_parameters(model),
@@ -312,14 +321,6 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
                 "decode": {"beam": decode.beam_size, "alpha": decode.alpha,
                            "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b},
                 "limits": asdict(limits), "load": load()}
-
-    def load() -> dict:
-        """What the server is doing now: POST requests being answered, lines waiting for a
-        batch, batches decoded since it started."""
-        b = state.get("batcher")
-        return {"requests_in_flight": in_flight.requests,
-                "queued_lines": b.queued_lines if b is not None else 0,
-                "batches_run": b.batches_run if b is not None else 0}
 
     page = resources.files("aiayn.serve").joinpath("static/index.html").read_text("utf-8")
 
