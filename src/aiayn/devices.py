@@ -50,9 +50,12 @@ def cpu_times(stat: str = "/proc/stat") -> tuple[int, int] | None:
 
 def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
     """The share of CPU time stolen by the host between two :func:`cpu_times` readings, in
-    percent (0-100); None when either reading is missing or no time passed."""
-    if before is None or after is None or after[1] <= before[1]:
+    percent (0-100); None when either reading is missing. An interval shorter than one clock
+    tick (a fast step logged every update) counted no time, so nothing was stolen in it: 0.0."""
+    if before is None or after is None:
         return None
+    if after[1] <= before[1]:
+        return 0.0
     return 100.0 * (after[0] - before[0]) / (after[1] - before[1])
 
 
