@@ -55,3 +55,20 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
         assert 0.0 <= results["train_cpu_steal_pct"] <= 100.0
     assert results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert results["multi30k_tok_reference"].endswith("test_2016_flickr.lc.norm.tok.de.gz")
+
+    # the same finished run, resumed with the widths in the other order: training has nothing
+    # left to do, val scores the same weights again, and the width chosen is the same one.
+    # Between the two orders the winner comes last once (the loop's average is the one on
+    # disk) and not last once (it is averaged again), so both paths are taken.
+    code = main(["pipeline", "--preset", "tiny", "--run-dir", str(run_dir), "--no-progress",
+                 "--resume", "--set", "train.max_steps=240", "--set", "decode.batch_size=250",
+                 "--average", "1", "3", "--json"])
+    assert code == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["train_steps"] == 240 and again["valid_bleu_by_average"] == by_average
+    if by_average["3"] != by_average["1"]:  # a tie goes to the first given: 1 here, 3 above
+        assert again["averaged"] == results["averaged"]
+    meta = json.loads((run_dir / "averaged" / "meta.json").read_text())
+    assert [Path(p).name for p in meta["averaged_from"]] == again["averaged"]
+    assert again["multi30k_tok_bleu"] == results["multi30k_tok_bleu"] or \
+        again["averaged"] != results["averaged"]
