@@ -28,6 +28,40 @@ def widen_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
 
 
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's allocator to keep freed blocks of up to 32 MiB for reuse instead of handing
+    them back to the system. Returns True when it took effect (Linux with glibc), else False.
+
+    By default glibc serves a block of a few MiB or more with its own ``mmap`` and unmaps it
+    on ``free``, so every training step's activations, gradients and logits land on fresh
+    pages, each faulted in (and zeroed) by the kernel on first touch: 12,000-18,000 page
+    faults a ``multi30k`` step, about 1 µs each on this machine, ~4% of the step. Raising
+    the mmap threshold to its 64-bit maximum and never trimming the heap makes the second
+    step reuse the first one's pages. The process keeps its peak memory until it exits,
+    which suits a training process; a server should not call this.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
+    ok = mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1 and ok
+    return mallopt(_M_TOP_PAD, 64 * 2**20) == 1 and ok
+
+
 def cpu_times(stat: str = "/proc/stat") -> tuple[int, int] | None:
     """(steal, total) time of all CPUs since boot, in clock ticks, from Linux's ``/proc/stat``;
     None where it cannot be read (not Linux) or has no steal column (kernels before 2.6.11).

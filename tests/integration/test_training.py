@@ -28,7 +28,7 @@ from aiayn.devices import ONEDNN_CACHE_CAPACITY
 from aiayn.errors import DataError, UserError
 from aiayn.model import Transformer
 from aiayn.training.average import average_checkpoints
-from aiayn.training.loss import label_smoothed_loss
+from aiayn.training.loss import label_smoothed_loss, projected_label_smoothed_loss
 from aiayn.training.loop import StopTraining, build_optimizer
 from aiayn.training.run import run_training
 from aiayn.training.schedule import learning_rate
@@ -104,6 +104,55 @@ def test_label_smoothed_loss_matches_torch(eps: float) -> None:
     assert n == int((target != 0).sum()) == 9
     assert float(loss) == pytest.approx(float(ref), rel=1e-5)
     assert float(nll) == pytest.approx(float(ref_nll), rel=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_projected_loss_matches_linear_then_torch_loss(eps: float, with_bias: bool,
+                                                       monkeypatch) -> None:
+    # the fused output layer + loss against F.linear and torch's own loss, values and the
+    # gradients of all three inputs; small chunks so that several chunks and a ragged last one
+    # are taken, and a second call reuses the workspace of the first
+    monkeypatch.setattr("aiayn.training.loss._CHUNK_ELEMENTS", 7 * 29)
+    torch.manual_seed(2)
+    hidden = torch.randn(40, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(29, 6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(29, dtype=torch.float64, requires_grad=True) if with_bias else None
+    target = torch.randint(1, 29, (40,))
+    target[::5] = 0  # padding, dropped
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+    for scale in (1.0, 0.25):
+        loss, nll, n = projected_label_smoothed_loss(hidden, weight, bias, target, eps, 0, scale)
+        ours = torch.autograd.grad(3.0 * loss, inputs)
+        logits = F.linear(hidden, weight, bias)
+        ref = F.cross_entropy(logits, target, ignore_index=0, label_smoothing=eps,
+                              reduction="sum")
+        ref_nll = F.cross_entropy(logits, target, ignore_index=0, reduction="sum")
+        expected = torch.autograd.grad(3.0 * scale * ref, inputs)
+        assert n == 32
+        assert float(loss) == pytest.approx(float(ref), rel=1e-10)
+        assert float(nll) == pytest.approx(float(ref_nll), rel=1e-10)
+        for got, want in zip(ours, expected):
+            assert torch.allclose(got, want, atol=1e-10)
+    with pytest.raises(ValueError, match="hidden"):
+        projected_label_smoothed_loss(hidden, weight[:, :5], bias, target, eps, 0)
+
+
+def test_projected_loss_under_autocast_is_the_bf16_linear_loss() -> None:
+    # what the Trainer runs: bf16 products under autocast, float32 master gradients
+    torch.manual_seed(3)
+    hidden = torch.randn(50, 16, requires_grad=True)
+    weight = (0.3 * torch.randn(300, 16)).requires_grad_()
+    target = torch.randint(1, 300, (50,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, _ = projected_label_smoothed_loss(hidden, weight, None, target, 0.1, 0)
+        ref, _, _ = label_smoothed_loss(F.linear(hidden, weight), target, 0.1, 0)
+    ours = torch.autograd.grad(loss, [hidden, weight])
+    expected = torch.autograd.grad(ref, [hidden, weight])
+    assert float(loss) == pytest.approx(float(ref), rel=1e-3)
+    for got, want in zip(ours, expected):
+        assert got.dtype == torch.float32
+        assert torch.allclose(got, want, rtol=2e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])

@@ -397,7 +397,7 @@ class Transformer(nn.Module):
         return x, src_mask
 
     def decode(self, tgt_in: Tensor, memory: Tensor, src_mask: Tensor,
-               output_mask: Tensor | None = None) -> Tensor:
+               output_mask: Tensor | None = None, project: bool = True) -> Tensor:
         """Decoder over a whole shifted-right target (teacher forcing).
 
         Args:
@@ -405,6 +405,9 @@ class Transformer(nn.Module):
             memory: (B, S, d_model) from :meth:`encode`; src_mask: bool (B, S).
             output_mask: optional bool (B, T): project only these positions (training passes
                 the non-pad targets, so padding never reaches the V-wide output layer).
+            project: False stops before the pre-softmax linear map and returns its input,
+                (B, T, d_model) or (n, d_model), for a loss that applies the map itself
+                (:func:`aiayn.training.loss.projected_label_smoothed_loss`).
 
         Returns:
             logits (B, T, V_tgt), or (n, V_tgt) for the n True positions of ``output_mask``.
@@ -419,6 +422,8 @@ class Transformer(nn.Module):
                 raise ValueError(f"output_mask must be bool of shape {tuple(tgt_in.shape)}, got "
                                  f"{output_mask.dtype} {tuple(output_mask.shape)}")
             x = x[output_mask]
+        if not project:
+            return x if self.decoder_norm is None else self.decoder_norm(x)
         return self.project(x)
 
     def project(self, x: Tensor) -> Tensor:
@@ -428,11 +433,12 @@ class Transformer(nn.Module):
         return F.linear(x, self.tgt_embed.weight, self.final_logits_bias)
 
     def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None,
-                output_mask: Tensor | None = None) -> Tensor:
+                output_mask: Tensor | None = None, project: bool = True) -> Tensor:
         """Teacher-forced logits: src (B, S), tgt_in (B, T) -> (B, T, V_tgt), or (n, V_tgt)
-        for the n True positions of ``output_mask`` (B, T) (see :meth:`decode`)."""
+        for the n True positions of ``output_mask`` (B, T); with ``project=False`` the
+        decoder's output before the pre-softmax map, (…, d_model) (see :meth:`decode`)."""
         memory, src_mask = self.encode(src, src_mask)
-        return self.decode(tgt_in, memory, src_mask, output_mask)
+        return self.decode(tgt_in, memory, src_mask, output_mask, project)
 
     def start_cache(self, memory: Tensor, src_mask: Tensor) -> DecoderCache:
         """Incremental decoding state for ``memory`` (B, S, d_model): the encoder-decoder keys

@@ -13,6 +13,35 @@ from torch import Tensor
 _CHUNK_ELEMENTS = 2**20
 
 
+def _smoothed_chunk(logits: Tensor, gold: Tensor, epsilon_ls: float, grad_scale: float,
+                    buffer: Tensor, want_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Loss terms of one chunk of rows, (r, V) logits and (r,) gold ids: the summed negative
+    log-likelihood, the summed uniform term -sum(log p) / V, and (when ``want_grad``) the
+    gradient ``grad_scale * (softmax - q)`` written into ``buffer`` (r, V), float32 or float64.
+    """
+    vocab = logits.shape[1]
+    g = gold.unsqueeze(1)
+    lprobs = torch.log_softmax(logits, dim=-1, dtype=buffer.dtype, out=buffer)  # (r, V)
+    nll = -lprobs.gather(1, g).sum()
+    smooth = -lprobs.sum() / vocab if epsilon_ls > 0 else torch.zeros_like(nll)
+    if not want_grad:
+        return nll, smooth, None
+    probs = lprobs.exp_()
+    if epsilon_ls > 0:
+        probs.sub_(epsilon_ls / vocab)
+    probs.scatter_add_(1, g, torch.full(g.shape, epsilon_ls - 1.0, dtype=probs.dtype,
+                                        device=probs.device))
+    if grad_scale != 1.0:
+        probs.mul_(grad_scale)  # in cache, instead of a pass over (n, V) later
+    return nll, smooth, probs
+
+
+def _combine(nll_sum: Tensor, smooth_sum: Tensor, epsilon_ls: float) -> Tensor:
+    if epsilon_ls > 0:
+        return (1.0 - epsilon_ls) * nll_sum + epsilon_ls * smooth_sum
+    return nll_sum.clone()
+
+
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """Summed label-smoothed cross-entropy of (n, V) logits, its gradient made in the forward.
 
@@ -40,29 +69,16 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         buffer = torch.empty(rows, vocab, dtype=dtype, device=logits.device)
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
-            g = gold[lo:hi].unsqueeze(1)
-            lprobs = torch.log_softmax(logits[lo:hi], dim=-1, dtype=dtype,
-                                       out=buffer[: hi - lo])  # (rows, V)
-            nll_sum -= lprobs.gather(1, g).sum()
-            if epsilon_ls > 0:
-                smooth_sum -= lprobs.sum() / vocab
+            nll, smooth, chunk_grad = _smoothed_chunk(logits[lo:hi], gold[lo:hi], epsilon_ls,
+                                                      grad_scale, buffer[: hi - lo], want_grad)
+            nll_sum += nll
+            smooth_sum += smooth
             if want_grad:
-                probs = lprobs.exp_()
-                if epsilon_ls > 0:
-                    probs.sub_(epsilon_ls / vocab)
-                probs.scatter_add_(1, g, torch.full(g.shape, epsilon_ls - 1.0, dtype=dtype,
-                                                    device=probs.device))
-                if grad_scale != 1.0:
-                    probs.mul_(grad_scale)  # in cache, instead of a pass over (n, V) later
-                grad[lo:hi] = probs
-        if epsilon_ls > 0:
-            loss_sum = (1.0 - epsilon_ls) * nll_sum + epsilon_ls * smooth_sum
-        else:
-            loss_sum = nll_sum.clone()
+                grad[lo:hi] = chunk_grad
         if want_grad:
             ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(nll_sum)
-        return loss_sum, nll_sum
+        return _combine(nll_sum, smooth_sum, epsilon_ls), nll_sum
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, None, None, None]:
@@ -71,6 +87,84 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
             return grad, None, None, None
         # out of place, so that a retained graph can run backward again
         return grad.mul(grad_loss.to(grad.dtype)), None, None, None
+
+
+def _scaled(grad: Tensor | None, grad_loss: Tensor) -> Tensor | None:
+    if grad is None or (grad_loss.numel() == 1 and float(grad_loss) == 1.0):
+        return grad
+    return grad.mul(grad_loss.to(grad.dtype))  # out of place: a retained graph may run again
+
+
+class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
+    """The output layer (§3.4) and the label-smoothed loss in one pass over chunks of rows.
+
+    For each chunk of ``rows`` hidden states, logits = x W^T + b are made in a (rows, V) scratch
+    that stays in cache, the loss terms and ``softmax - q`` are taken from it as in
+    :class:`_SmoothedCrossEntropy`, and that gradient goes into a (n, V) workspace reused from
+    one call to the next. Two matrix products after the loop give the gradients of x and W, so
+    no (n, V) logits tensor is ever allocated or read back from memory, and the workspace's
+    pages are touched once per process instead of being mapped afresh every step.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, gold: Tensor,
+                epsilon_ls: float, grad_scale: float) -> tuple[Tensor, Tensor]:
+        acc = torch.promote_types(x.dtype, torch.float32)
+        n, vocab = x.shape[0], weight.shape[0]
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or (
+            bias is not None and ctx.needs_input_grad[2])
+        nll_sum = torch.zeros((), dtype=acc, device=x.device)
+        smooth_sum = torch.zeros((), dtype=acc, device=x.device)
+        rows = max(1, min(n, _CHUNK_ELEMENTS // vocab))
+        logits = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
+        buffer = torch.empty(rows, vocab, dtype=acc, device=x.device)
+        grad = _workspace(n * vocab, x.dtype, x.device)[: n * vocab].view(n, vocab) \
+            if want_grad else None
+        w_t = weight.t()
+        with torch.autocast(x.device.type, enabled=False):
+            for lo in range(0, n, rows):
+                hi = min(n, lo + rows)
+                out = logits[: hi - lo]
+                if bias is None:
+                    torch.mm(x[lo:hi], w_t, out=out)
+                else:
+                    torch.addmm(bias, x[lo:hi], w_t, out=out)
+                nll, smooth, chunk_grad = _smoothed_chunk(out, gold[lo:hi], epsilon_ls,
+                                                          grad_scale, buffer[: hi - lo],
+                                                          want_grad)
+                nll_sum += nll
+                smooth_sum += smooth
+                if want_grad:
+                    grad[lo:hi] = chunk_grad
+            grads = (None, None, None)
+            if want_grad:
+                grads = (grad @ weight if ctx.needs_input_grad[0] else None,  # (n, d)
+                         grad.t() @ x if ctx.needs_input_grad[1] else None,  # (V, d)
+                         grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None)
+        ctx.grads = grads
+        ctx.mark_non_differentiable(nll_sum)
+        return _combine(nll_sum, smooth_sum, epsilon_ls), nll_sum
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
+        gx, gw, gb = ctx.grads
+        ctx.grads = (None, None, None)
+        return (_scaled(gx, grad_loss), _scaled(gw, grad_loss), _scaled(gb, grad_loss),
+                None, None, None)
+
+
+_workspaces: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A flat scratch tensor of at least ``numel`` elements, kept for the next call (grown by
+    a quarter when too small), so its memory is not handed back to the system each step."""
+    key = (dtype, device)
+    ws = _workspaces.get(key)
+    if ws is None or ws.numel() < numel:
+        ws = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+        _workspaces[key] = ws
+    return ws
 
 
 def label_smoothed_loss(
@@ -116,3 +210,50 @@ def token_accuracy(logits: Tensor, target: Tensor, pad_id: int) -> float:
     """Fraction of non-pad positions where the argmax is the gold token."""
     mask = target != pad_id
     return float((logits.argmax(-1)[mask] == target[mask]).float().mean())
+
+
+def projected_label_smoothed_loss(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, epsilon_ls: float,
+    pad_id: int, grad_scale: float = 1.0,
+) -> tuple[Tensor, Tensor, int]:
+    """The output layer (§3.4) and the label-smoothed loss (§5.4) fused, for training.
+
+    The same figures and gradients as ``label_smoothed_loss(F.linear(hidden, weight, bias),
+    ...)``, computed chunk by chunk of rows so that the (n, V) logits never exist as a whole
+    (see :class:`_ProjectedSmoothedCrossEntropy`). Under ``torch.autocast`` the products run
+    in the autocast dtype (bf16 here), as ``F.linear`` would; the soft-max and sums run in
+    float32 (float64 for float64 inputs). The gradients of ``hidden``, ``weight`` and
+    ``bias`` are made in the forward; the backward only scales them.
+
+    Args:
+        hidden: (n, d_model) decoder outputs of the positions to score (the input of the
+            pre-softmax linear map).
+        weight: (V, d_model), the output projection (tied to the target embedding).
+        bias: (V,) or None.
+        target: (n,) gold ids; positions equal to ``pad_id`` are dropped.
+        grad_scale: as in :func:`label_smoothed_loss`.
+
+    Returns:
+        (loss_sum, nll_sum, n_tokens), as :func:`label_smoothed_loss`.
+
+    Raises:
+        ValueError: shapes that do not fit together.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] \
+            or target.shape != hidden.shape[:1]:
+        raise ValueError(f"expected hidden (n, d), weight (V, d), target (n,); got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
+    mask = target != pad_id
+    if not bool(mask.all()):
+        hidden, target = hidden[mask], target[mask]
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    elif weight.dtype != hidden.dtype:
+        weight = weight.to(hidden.dtype)
+        bias = None if bias is None else bias.to(hidden.dtype)
+    loss_sum, nll_sum = _ProjectedSmoothedCrossEntropy.apply(hidden, weight, bias, target,
+                                                             epsilon_ls, grad_scale)
+    return loss_sum, nll_sum, int(target.numel())
