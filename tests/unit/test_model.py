@@ -168,10 +168,12 @@ def test_reference_attention_on_a_hand_computed_case():
     torch.testing.assert_close(out, torch.tensor([[[w, 1 - w]]], dtype=torch.float64))
 
 
+# train=True takes the explicit eq. 1 that CPU training runs, False the SDPA kernel
+@pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("d_k, d_v", [(8, 8), (6, 10)])  # (6, 10): d_k, d_v free of d_model/h
-def test_multi_head_attention_equals_eq1_in_float64(d_k, d_v):
+def test_multi_head_attention_equals_eq1_in_float64(d_k, d_v, train):
     torch.manual_seed(0)
-    mha = MultiHeadAttention(d_model=32, h=4, d_k=d_k, d_v=d_v).eval()
+    mha = MultiHeadAttention(d_model=32, h=4, d_k=d_k, d_v=d_v).train(train)
     for p in mha.parameters():  # nonzero biases, so that a lost bias would show
         nn.init.normal_(p, 0.0, 0.3)
     x, mem = torch.randn(2, 5, 32), torch.randn(2, 7, 32)

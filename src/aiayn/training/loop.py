@@ -184,7 +184,9 @@ class Trainer:
                              f"with id {vocab.pad_id}")
         self.progress = progress and self.dist.is_main
         # SDPA's CPU flash kernel has a slow backward at sentence lengths of ~30 tokens; the
-        # plain math kernel is faster there (measured in bench/bench_train.py).
+        # plain math kernel is faster there (measured in bench/bench_train.py). Training on
+        # CPU no longer calls SDPA at all (MultiHeadAttention writes eq. 1 out); the flag
+        # still picks the kernel on other devices.
         self.math_attention = self.device.type == "cpu" if math_attention is None \
             else math_attention
         self.state = TrainState()
