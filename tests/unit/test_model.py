@@ -466,3 +466,19 @@ def test_bf16_autocast_on_cpu_runs_and_stays_close_to_fp32():
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.dtype == torch.float32, name
         assert torch.isfinite(p.grad).all(), name
+
+
+def test_bf16_weights_sum_embedding_gradients_in_float32():
+    # train.bf16_weights trains a bf16 copy of the model: a token seen 3,000 times must get
+    # the sum of its 3,000 gradient rows, not a bf16 running sum that stops growing
+    model = make_model().train()
+    src = torch.full((60, 50), 5, dtype=torch.long)  # token 5, 3,000 times
+    tgt_in = tokens(60, 4, seed=2)
+    model.zero_grad()
+    model(src, tgt_in).float().square().mean().backward()
+    want = model.src_embed.weight.grad[5].clone()
+    half = make_model().to(torch.bfloat16).train()
+    half(src, tgt_in).float().square().mean().backward()
+    got = half.src_embed.weight.grad[5].float()
+    assert half.src_embed.weight.grad.dtype == torch.bfloat16
+    assert (got - want).norm() / want.norm() < 0.05
