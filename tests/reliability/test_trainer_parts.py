@@ -3,8 +3,6 @@ the pad id comes from the vocabulary."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -95,36 +93,6 @@ def test_a_window_shorter_than_a_clock_tick_still_reports_steal(
     window.add({"tokens": 10.0, "loss": 2.0, "nll": 1.5})
     record = window.record(step=1, epoch=1, lr=1e-3, elapsed_s=0.0, nonfinite_total=0)
     assert record["cpu_steal_pct"] == 0.0 and record["nll"] == pytest.approx(1.5)
-
-
-_FAULTS_SCRIPT = """
-import resource, sys, torch
-from aiayn.devices import keep_freed_memory
-
-def faults_of_fresh_blocks():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(5):  # what a training step does: big blocks made, used and freed
-        torch.empty(24 * 2**20, dtype=torch.uint8).fill_(1)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-faults_of_fresh_blocks()
-default = faults_of_fresh_blocks()
-took = keep_freed_memory()
-faults_of_fresh_blocks()
-print(took, default, faults_of_fresh_blocks())
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_keep_freed_memory_stops_page_faults_on_reused_blocks() -> None:
-    # a fresh process, so that the allocator's default behaviour is measured first
-    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True,
-                         text=True, check=True).stdout.split()
-    took, default, kept = out[0] == "True", int(out[1]), int(out[2])
-    assert took
-    # glibc's default varies with its dynamic threshold (0 to 30,720 faults here); once the
-    # blocks are kept, reusing them faults in almost none of their 30,720 pages
-    assert default >= 0 and kept < 5 * 24 * 2**20 // 4096 // 20
 
 
 def test_steal_percent_is_the_stolen_share_of_the_interval() -> None:
