@@ -42,6 +42,33 @@ def _combine(nll_sum: Tensor, smooth_sum: Tensor, epsilon_ls: float) -> Tensor:
     return nll_sum.clone()
 
 
+def _chunk_rows(vocab: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // vocab)
+
+
+def _chunked_loss(n: int, vocab: int, logits_of, gold: Tensor, epsilon_ls: float,
+                  grad_scale: float, dtype: torch.dtype,
+                  grad: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Summed nll and uniform term over n rows, taken chunk by chunk of rows; the logits of
+    rows lo..hi come from ``logits_of(lo, hi)``; when ``grad`` (n, V) is given, each
+    chunk's gradient is written into it. Sums in ``dtype`` (float32 or float64)."""
+    device = gold.device
+    nll_sum = torch.zeros((), dtype=dtype, device=device)
+    smooth_sum = torch.zeros((), dtype=dtype, device=device)
+    rows = min(n, _chunk_rows(vocab)) or 1
+    buffer = torch.empty(rows, vocab, dtype=dtype, device=device)
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        nll, smooth, chunk_grad = _smoothed_chunk(logits_of(lo, hi), gold[lo:hi],
+                                                  epsilon_ls, grad_scale, buffer[: hi - lo],
+                                                  grad is not None)
+        nll_sum += nll
+        smooth_sum += smooth
+        if grad is not None:
+            grad[lo:hi] = chunk_grad
+    return nll_sum, smooth_sum
+
+
 class _SmoothedCrossEntropy(torch.autograd.Function):
     """Summed label-smoothed cross-entropy of (n, V) logits, its gradient made in the forward.
 
@@ -63,18 +90,8 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
         n, vocab = logits.shape
         want_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(logits) if want_grad else None
-        nll_sum = torch.zeros((), dtype=dtype, device=logits.device)
-        smooth_sum = torch.zeros((), dtype=dtype, device=logits.device)
-        rows = max(1, min(n, _CHUNK_ELEMENTS // vocab))
-        buffer = torch.empty(rows, vocab, dtype=dtype, device=logits.device)
-        for lo in range(0, n, rows):
-            hi = min(n, lo + rows)
-            nll, smooth, chunk_grad = _smoothed_chunk(logits[lo:hi], gold[lo:hi], epsilon_ls,
-                                                      grad_scale, buffer[: hi - lo], want_grad)
-            nll_sum += nll
-            smooth_sum += smooth
-            if want_grad:
-                grad[lo:hi] = chunk_grad
+        nll_sum, smooth_sum = _chunked_loss(n, vocab, lambda lo, hi: logits[lo:hi], gold,
+                                            epsilon_ls, grad_scale, dtype, grad)
         if want_grad:
             ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(nll_sum)
@@ -83,10 +100,7 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, None, None, None]:
         (grad,) = ctx.saved_tensors
-        if grad_loss.numel() == 1 and float(grad_loss) == 1.0:  # loss.backward(): as it is
-            return grad, None, None, None
-        # out of place, so that a retained graph can run backward again
-        return grad.mul(grad_loss.to(grad.dtype)), None, None, None
+        return _scaled(grad, grad_loss), None, None, None
 
 
 def _scaled(grad: Tensor | None, grad_loss: Tensor) -> Tensor | None:
@@ -113,29 +127,20 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         n, vocab = x.shape[0], weight.shape[0]
         want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or (
             bias is not None and ctx.needs_input_grad[2])
-        nll_sum = torch.zeros((), dtype=acc, device=x.device)
-        smooth_sum = torch.zeros((), dtype=acc, device=x.device)
-        rows = max(1, min(n, _CHUNK_ELEMENTS // vocab))
-        logits = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
-        buffer = torch.empty(rows, vocab, dtype=acc, device=x.device)
         grad = _workspace(n * vocab, x.dtype, x.device)[: n * vocab].view(n, vocab) \
             if want_grad else None
         w_t = weight.t()
+        scratch = torch.empty(min(n, _chunk_rows(vocab)), vocab, dtype=x.dtype, device=x.device)
+
+        def logits_of(lo: int, hi: int) -> Tensor:  # x W^T + b of rows lo..hi
+            out = scratch[: hi - lo]
+            if bias is None:
+                return torch.mm(x[lo:hi], w_t, out=out)
+            return torch.addmm(bias, x[lo:hi], w_t, out=out)
+
         with torch.autocast(x.device.type, enabled=False):
-            for lo in range(0, n, rows):
-                hi = min(n, lo + rows)
-                out = logits[: hi - lo]
-                if bias is None:
-                    torch.mm(x[lo:hi], w_t, out=out)
-                else:
-                    torch.addmm(bias, x[lo:hi], w_t, out=out)
-                nll, smooth, chunk_grad = _smoothed_chunk(out, gold[lo:hi], epsilon_ls,
-                                                          grad_scale, buffer[: hi - lo],
-                                                          want_grad)
-                nll_sum += nll
-                smooth_sum += smooth
-                if want_grad:
-                    grad[lo:hi] = chunk_grad
+            nll_sum, smooth_sum = _chunked_loss(n, vocab, logits_of, gold, epsilon_ls,
+                                                grad_scale, acc, grad)
             grads = (None, None, None)
             if want_grad:
                 grads = (grad @ weight if ctx.needs_input_grad[0] else None,  # (n, d)
