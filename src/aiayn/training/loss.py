@@ -85,9 +85,9 @@ class _SmoothedCrossEntropy(torch.autograd.Function):
     at once, chunk by chunk of rows: one soft-max in float32 (float64 for float64 logits) per
     chunk gives the gradient and, with each row's log-sum-exp, the gold and uniform terms
     (see :func:`_smoothed_chunk`); the gradient is stored in the logits' dtype (bf16 under
-    autocast). The backward only scales it. Compared with saving (n, V) float32 log-probabilities and exponentiating
-    them again in the backward, this drops one ``exp`` pass, two dtype casts of (n, V) and the
-    float32 copy held between forward and backward.
+    autocast). The backward only scales it. Compared with saving (n, V) float32
+    log-probabilities and exponentiating them again in the backward, this drops one ``exp``
+    pass, two dtype casts of (n, V) and the float32 copy held between forward and backward.
     """
 
     @staticmethod
