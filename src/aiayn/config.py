@@ -77,6 +77,9 @@ class ModelConfig:
     d_v: int = 64  # value size per head
     P_drop: float = 0.1  # residual and embedding dropout, §5.4
     attention_dropout: float = 0.0  # dropout on attention weights (not in the paper)
+    # source word dropout (not in the paper): while training, each source token's embedding
+    # is zeroed with this probability (Sennrich et al. 2016, Gal & Ghahramani 2016)
+    word_dropout: float = 0.0
     vocab_size: int = 37000  # shared source-target vocabulary, §5.1
     tgt_vocab_size: int | None = None  # None: shared with the source (§3.4 tying needs that)
     share_embeddings: bool = True  # one matrix for source, target embeddings and softmax, §3.4
@@ -99,7 +102,7 @@ class ModelConfig:
             _positive(self, "attention_window")
         _positive(self, "N", "d_model", "d_ff", "h", "d_k", "d_v", "vocab_size", "max_len")
         _positive(self, "layer_norm_eps")
-        _probability(self, "P_drop", "attention_dropout")
+        _probability(self, "P_drop", "attention_dropout", "word_dropout")
         _choice(self, "positional", ("sinusoidal", "learned"))
         _choice(self, "norm", ("post", "pre"))
         _choice(self, "ffn_activation", ("relu", "swish"))

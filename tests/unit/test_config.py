@@ -97,6 +97,7 @@ def test_rows_A_keep_computation_constant():
     (ModelConfig, "P_drop", 1.0),
     (ModelConfig, "P_drop", -0.1),
     (ModelConfig, "attention_dropout", 1.5),
+    (ModelConfig, "word_dropout", 1.0),
     (ModelConfig, "positional", "rotary"),
     (ModelConfig, "norm", "sandwich"),
     (ModelConfig, "pad_id", 37000),

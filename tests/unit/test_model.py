@@ -448,6 +448,29 @@ def test_dropout_is_active_in_training_only():
         assert not torch.equal(model(src, tgt), model(src, tgt))
 
 
+def test_source_word_dropout_zeroes_whole_source_tokens_in_training_only():
+    # each dropped source token's input to the encoder is its position alone; the kept ones are
+    # scaled by 1 / (1 - p); the decoder's inputs are untouched
+    p = 0.5
+    model = make_model(word_dropout=p)
+    seen = {}
+    model.encoder[0].register_forward_pre_hook(lambda m, args: seen.update(enc=args[0]))
+    model.decoder[0].register_forward_pre_hook(lambda m, args: seen.update(dec=args[0]))
+    src, tgt = tokens(4, 16), tokens(4, 5, seed=2)
+    W, pe = model.src_embed.weight, sinusoid_table(64, 32)
+    with torch.no_grad():
+        model(src, tgt)
+        torch.testing.assert_close(seen["enc"], W[src] * math.sqrt(32) + pe[:16])
+        model.train()
+        torch.manual_seed(0)
+        model(src, tgt)
+    dropped = torch.isclose(seen["enc"], pe[:16].expand(4, 16, 32), atol=1e-6).all(-1)  # (B, S)
+    kept = torch.isclose(seen["enc"], W[src] * math.sqrt(32) / (1 - p) + pe[:16]).all(-1)
+    assert torch.equal(dropped | kept, torch.ones(4, 16, dtype=torch.bool))
+    assert 16 <= int(dropped.sum()) <= 48  # about half of 64 tokens (p < 1e-4 outside)
+    torch.testing.assert_close(seen["dec"], W[tgt] * math.sqrt(32) + pe[:5])
+
+
 # --- mixed precision ------------------------------------------------------------------------
 
 def test_bf16_autocast_on_cpu_runs_and_stays_close_to_fp32():

@@ -402,7 +402,8 @@ class Transformer(nn.Module):
         if self.tgt_embed is not self.src_embed:
             nn.init.normal_(self.tgt_embed.weight, 0.0, self.config.d_model**-0.5)
 
-    def _embed(self, embedding: nn.Embedding, tokens: Tensor, offset: int = 0) -> Tensor:
+    def _embed(self, embedding: nn.Embedding, tokens: Tensor, offset: int = 0,
+               word_dropout: float = 0.0) -> Tensor:
         # §3.4: embedding weights multiplied by sqrt(d_model); §3.5: positions added;
         # §5.4: dropout on the sum.
         weight = embedding.weight
@@ -410,7 +411,12 @@ class Transformer(nn.Module):
             rows = _LookupSummedInFloat32.apply(tokens, weight)  # bf16 weights (training)
         else:
             rows = embedding(tokens)
-        x = rows * self.embed_scale + self.positions(tokens.shape[1], offset)
+        scale: Tensor | float = self.embed_scale
+        if word_dropout > 0.0 and self.training:
+            # whole tokens dropped (their position stays), the kept ones scaled by 1 / (1 - p)
+            keep = torch.rand(tokens.shape, device=tokens.device) >= word_dropout  # (B, T)
+            scale = keep.unsqueeze(-1).to(rows.dtype) * (self.embed_scale / (1.0 - word_dropout))
+        x = rows * scale + self.positions(tokens.shape[1], offset)
         return self.embed_dropout(x)
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -432,7 +438,7 @@ class Transformer(nn.Module):
             band = band_mask(S, S, self.config.attention_window, causal=False, device=src.device)
             # each position also sees itself, so a padding row far from any token is not empty
             attn_mask = attn_mask & band | torch.eye(S, dtype=torch.bool, device=src.device)
-        x = self._embed(self.src_embed, src)
+        x = self._embed(self.src_embed, src, word_dropout=self.config.word_dropout)
         for layer in self.encoder:
             x = layer(x, attn_mask)
         if self.encoder_norm is not None:

@@ -52,7 +52,7 @@ def _load_raw_split(data: Any, split: str) -> ParallelCorpus | None:
 
 
 # model fields a resumed run may change: they do not alter the shape or meaning of the weights
-RESUMABLE_MODEL_FIELDS = ("P_drop", "attention_dropout")
+RESUMABLE_MODEL_FIELDS = ("P_drop", "attention_dropout", "word_dropout")
 
 
 def check_resume_overrides(saved: Config, resumed: Config, run_dir: Path) -> None:
