@@ -43,6 +43,15 @@ def tokens(B: int, L: int, vocab: int = V, seed: int = 1) -> torch.Tensor:
     return torch.randint(1, vocab, (B, L), generator=g)
 
 
+def record_stack_inputs(model: Transformer) -> dict[str, torch.Tensor]:
+    """A dict that each forward fills with the inputs of the first encoder layer ("enc",
+    (B, S, d_model)) and of the first decoder layer ("dec", (B, T, d_model))."""
+    seen: dict[str, torch.Tensor] = {}
+    model.encoder[0].register_forward_pre_hook(lambda m, args: seen.update(enc=args[0]))
+    model.decoder[0].register_forward_pre_hook(lambda m, args: seen.update(dec=args[0]))
+    return seen
+
+
 def padded_source() -> tuple[torch.Tensor, torch.Tensor]:
     """A (3, 8) source whose rows have 8, 5 and 2 real tokens, right-padded with id 0."""
     src = tokens(3, 8)
@@ -237,9 +246,7 @@ def test_positional_encoding_offset_and_length_limit():
 def test_stack_inputs_are_scaled_embeddings_plus_positions():
     # §3.4: embedding weights multiplied by sqrt(d_model); §3.5: positional encodings added
     model = make_model()
-    seen = {}
-    model.encoder[0].register_forward_pre_hook(lambda m, args: seen.update(enc=args[0]))
-    model.decoder[0].register_forward_pre_hook(lambda m, args: seen.update(dec=args[0]))
+    seen = record_stack_inputs(model)
     src, tgt = tokens(2, 6), tokens(2, 4, seed=2)
     W, pe = model.src_embed.weight, sinusoid_table(64, 32)
     with torch.no_grad():
@@ -453,9 +460,7 @@ def test_source_word_dropout_zeroes_whole_source_tokens_in_training_only():
     # scaled by 1 / (1 - p); the decoder's inputs are untouched
     p = 0.5
     model = make_model(word_dropout=p)
-    seen = {}
-    model.encoder[0].register_forward_pre_hook(lambda m, args: seen.update(enc=args[0]))
-    model.decoder[0].register_forward_pre_hook(lambda m, args: seen.update(dec=args[0]))
+    seen = record_stack_inputs(model)
     src, tgt = tokens(4, 16), tokens(4, 5, seed=2)
     W, pe = model.src_embed.weight, sinusoid_table(64, 32)
     with torch.no_grad():
