@@ -89,6 +89,10 @@ class ModelConfig:
     layer_norm_eps: float = 1e-6
     pad_id: int = 0
     attention_window: int | None = None  # r of §4's restricted self-attention; None: all
+    # "target": the output layer scores only the tokens seen on the target side of the
+    # training data; the others get a fixed -inf logit bias (not in the paper: with a joint
+    # vocabulary, source-only subwords then cost no output-layer work; README, the hour)
+    output_vocab: str = "all"
     # Options for models imported from Hugging Face Marian / OPUS-MT (`aiayn convert`); the
     # defaults are the paper's choices.
     ffn_activation: str = "relu"  # §3.3 max(0, ·); OPUS-MT uses "swish" (x * sigmoid(x))
@@ -107,6 +111,7 @@ class ModelConfig:
         _choice(self, "norm", ("post", "pre"))
         _choice(self, "ffn_activation", ("relu", "swish"))
         _choice(self, "positional_layout", ("interleaved", "halves"))
+        _choice(self, "output_vocab", ("all", "target"))
         if self.tgt_vocab_size is not None:
             _positive(self, "tgt_vocab_size")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):

@@ -138,6 +138,40 @@ def test_projected_loss_matches_linear_then_torch_loss(eps: float, with_bias: bo
         projected_label_smoothed_loss(hidden, weight[:, :5], bias, target, eps, 0)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_projected_loss_leaves_out_the_tokens_whose_bias_is_minus_inf(eps: float) -> None:
+    # output_vocab = "target": the loss is that of a soft-max over the kept tokens only, with
+    # epsilon_ls spread over them; the left-out rows of the weight get no gradient, and a
+    # position whose gold token was left out cannot be scored
+    torch.manual_seed(4)
+    hidden = torch.randn(30, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(20, 6, dtype=torch.float64, requires_grad=True)
+    kept = torch.tensor([2, 3, 5, 8, 9, 13, 17, 19])
+    bias = torch.full((20,), float("-inf"), dtype=torch.float64)
+    bias[kept] = torch.randn(len(kept), dtype=torch.float64)
+    target = kept[torch.randint(0, len(kept), (30,))]
+    target[::6] = 0  # padding
+    target[1] = 11  # left out: not scored
+    loss, nll, n = projected_label_smoothed_loss(hidden, weight, bias, target, eps, 0)
+    ours = torch.autograd.grad(loss, [hidden, weight])
+    scored = (target != 0) & (target != 11)
+    position = torch.full((20,), -1, dtype=torch.long)
+    position[kept] = torch.arange(len(kept))
+    logits = F.linear(hidden[scored], weight[kept], bias[kept])  # (n, 8)
+    ref = F.cross_entropy(logits, position[target[scored]], label_smoothing=eps,
+                          reduction="sum")
+    ref_nll = F.cross_entropy(logits, position[target[scored]], reduction="sum")
+    expected = torch.autograd.grad(ref, [hidden, weight])
+    assert n == int(scored.sum()) == 24
+    assert float(loss) == pytest.approx(float(ref), rel=1e-10)
+    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-10)
+    assert torch.allclose(ours[0], expected[0], atol=1e-10)
+    assert torch.allclose(ours[1], expected[1], atol=1e-10)
+    left_out = torch.ones(20, dtype=torch.bool)
+    left_out[kept] = False
+    assert not ours[1][left_out].any() and ours[1][kept].abs().sum(1).min() > 0
+
+
 def test_projected_loss_under_autocast_is_the_bf16_linear_loss() -> None:
     # what the Trainer runs: bf16 products under autocast, float32 master gradients
     torch.manual_seed(3)
@@ -237,6 +271,37 @@ def test_tiny_model_learns_to_copy(tmp_path: Path) -> None:
     hyps = translate_lines(model, vocab, src, beam_size=1, max_len_b=10)
     exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
     assert exact >= 0.9, [(h, r) for h, r in zip(hyps, ref) if h != r][:5]
+
+
+def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
+        tmp_path: Path) -> None:
+    # the target side spells the source's letters in upper case: with output_vocab "target",
+    # the lower-case subwords get a -inf output bias, in the checkpoint as in the average
+    cfg = task_config(tmp_path, max_steps=400, lr_scale=0.4, warmup_steps=100,
+                      checkpoint_every_steps=100, log_every_steps=50, epsilon_ls=0.1)
+    for split in ("train", "valid"):
+        tgt = tmp_path / f"{split}.tgt"
+        tgt.write_text(tgt.read_text().upper(), encoding="utf-8")
+    cfg = cfg.replace(model=replace(cfg.model, output_vocab="target"),
+                      data=replace(cfg.data, vocab_size=60),
+                      decode=replace(cfg.decode, beam_size=2))
+    cfg = cfg.replace(model=replace(cfg.model, vocab_size=60))
+    run_training(cfg, tmp_path / "run", progress=False, log=quiet)
+    average_checkpoints(list_checkpoints(tmp_path / "run")[-2:], tmp_path / "avg")
+    for path in (list_checkpoints(tmp_path / "run")[-1], tmp_path / "avg"):
+        model, _, vocab = load_checkpoint(path)
+        bias = model.final_logits_bias
+        allowed = {vocab.eos_id} | {i for line in (tmp_path / "train.tgt").read_text().split("\n")
+                                    for i in vocab.encode(line)}
+        assert {int(i) for i in torch.isfinite(bias).nonzero()} == allowed
+        source_ids = {i for line in (tmp_path / "train.src").read_text().split("\n")
+                      for i in vocab.encode(line)}
+        assert len(source_ids - allowed) >= 16  # the source's letters are left out
+        src = (tmp_path / "valid.src").read_text().splitlines()
+        ref = (tmp_path / "valid.tgt").read_text().splitlines()
+        hyps = translate_lines(model, vocab, src, beam_size=2, max_len_b=10)
+        assert all(h == h.upper() for h in hyps)
+        assert sum(h == r for h, r in zip(hyps, ref)) / len(ref) >= 0.85  # "all": 0.84
 
 
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:

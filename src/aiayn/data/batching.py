@@ -48,6 +48,15 @@ class EncodedCorpus:
         """(n,) int64 decoder lengths: target tokens + 1 (BOS in the input, EOS in the output)."""
         return np.fromiter((len(t) + 1 for t in self.tgt), dtype=np.int64, count=len(self.tgt))
 
+    def target_token_ids(self) -> np.ndarray:
+        """(k,) int64 sorted ids of the tokens the targets hold, EOS included (every target
+        ends in it): the tokens a decoder trained on this corpus is asked to produce."""
+        seen = np.zeros(max((max(t, default=0) for t in self.tgt), default=0) + 1, dtype=bool)
+        for t in self.tgt:
+            seen[t] = True
+        seen = np.flatnonzero(seen)
+        return np.union1d(seen, [EOS_ID]) if len(seen) else np.array([EOS_ID], dtype=np.int64)
+
     def describe(self) -> str:
         """One line for logs: pairs kept and pairs filtered for length."""
         total = len(self) + self.filtered

@@ -379,7 +379,9 @@ class Transformer(nn.Module):
             self.tgt_embed = nn.Embedding(cfg.target_vocab_size, cfg.d_model)
         self.positions = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.positional == "learned",
                                             cfg.positional_layout)
-        if cfg.final_logits_bias:  # Marian's fixed (untrained) output bias; absent in the paper
+        # a fixed (untrained) output bias: Marian's, or -inf on the tokens that
+        # ``output_vocab = "target"`` leaves out (see limit_output_vocab); absent in the paper
+        if cfg.final_logits_bias or cfg.output_vocab == "target":
             self.register_buffer("final_logits_bias", torch.zeros(cfg.target_vocab_size))
         else:
             self.final_logits_bias = None
@@ -401,6 +403,34 @@ class Transformer(nn.Module):
         nn.init.normal_(self.src_embed.weight, 0.0, self.config.d_model**-0.5)
         if self.tgt_embed is not self.src_embed:
             nn.init.normal_(self.tgt_embed.weight, 0.0, self.config.d_model**-0.5)
+
+    @torch.no_grad()
+    def limit_output_vocab(self, token_ids: Tensor) -> None:
+        """Let the output layer produce only ``token_ids``: every other token's logit bias
+        becomes -inf, so it takes no probability mass when decoding, and the training loss
+        leaves its row of the output projection out of the soft-max altogether
+        (:func:`aiayn.training.loss.projected_label_smoothed_loss`). Not in the paper.
+
+        Args:
+            token_ids: (k,) int ids in [0, V_tgt), e.g. those seen on the target side of the
+                training data plus EOS.
+
+        Raises:
+            ValueError: the model has no output bias (``output_vocab`` is not "target" and
+                ``final_logits_bias`` is off), or an id outside the target vocabulary.
+        """
+        if self.final_logits_bias is None:
+            raise ValueError('limit_output_vocab needs ModelConfig.output_vocab = "target" '
+                             "(or final_logits_bias = true)")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        V = self.final_logits_bias.numel()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"output token ids must be non-empty and in [0, {V}), got "
+                             f"{ids.numel()} ids in [{int(ids.min()) if ids.numel() else '-'}, "
+                             f"{int(ids.max()) if ids.numel() else '-'}]")
+        bias = torch.full_like(self.final_logits_bias, float("-inf"))
+        bias[ids.to(bias.device)] = 0.0
+        self.final_logits_bias.copy_(bias)
 
     def _embed(self, embedding: nn.Embedding, tokens: Tensor, offset: int = 0,
                word_dropout: float = 0.0) -> Tensor:

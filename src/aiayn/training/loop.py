@@ -198,6 +198,10 @@ class Trainer:
 
         self.model = model if model is not None else build_model(config, self.device,
                                                                  self.tc.seed)
+        if model is None and config.model.output_vocab == "target":
+            # the tokens the decoder is ever asked to produce: those of the training targets
+            # and EOS (resuming loads the same bias back from the checkpoint)
+            self.model.limit_output_vocab(torch.from_numpy(train.target_token_ids()))
         if self.dist.world_size > 1:  # same initial weights, different dropout masks
             torch.manual_seed(self.tc.seed + 1000 * self.dist.rank)
         # train.bf16_weights: forward and backward on a bf16 copy, Adam on the float32 master
@@ -341,8 +345,12 @@ class Trainer:
             ctx = self.ddp_model.no_sync() if (self.dist.world_size > 1 and not sync) \
                 else contextlib.nullcontext()
             with ctx, self._attention_backend():
-                loss, nll, _ = self._batch_loss(self.ddp_model, batch, grad_scale=scale)
+                loss, nll, scored = self._batch_loss(self.ddp_model, batch, grad_scale=scale)
                 loss.backward()  # the gradient of scale * loss (folded into the loss)
+            if scored != batch.tgt_tokens:  # a gold token with a -inf output bias
+                raise ValueError(f"{batch.tgt_tokens - scored} target tokens of a training "
+                                 "batch are outside the model's output vocabulary "
+                                 "(model.output_vocab); they cannot be learned")
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
         figures = torch.tensor([loss_sum, nll_sum], device=self.device)

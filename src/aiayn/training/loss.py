@@ -245,12 +245,18 @@ def projected_label_smoothed_loss(
         hidden: (n, d_model) decoder outputs of the positions to score (the input of the
             pre-softmax linear map).
         weight: (V, d_model), the output projection (tied to the target embedding).
-        bias: (V,) or None.
+        bias: (V,) or None. Tokens whose bias is -inf (``ModelConfig.output_vocab =
+            "target"``, or an imported model's unused rows) can take no probability mass:
+            their rows of ``weight`` are left out of the product, the soft-max and the label
+            smoothing (epsilon_ls is spread over the other tokens), and positions whose gold
+            token is one of them cannot be scored and are dropped from the sums and from
+            ``n_tokens``.
         target: (n,) gold ids; positions equal to ``pad_id`` are dropped.
         grad_scale: as in :func:`label_smoothed_loss`.
 
     Returns:
-        (loss_sum, nll_sum, n_tokens), as :func:`label_smoothed_loss`.
+        (loss_sum, nll_sum, n_tokens), as :func:`label_smoothed_loss`; ``n_tokens`` counts
+        the scored positions.
 
     Raises:
         ValueError: shapes that do not fit together.
@@ -262,6 +268,8 @@ def projected_label_smoothed_loss(
     mask = target != pad_id
     if not bool(mask.all()):
         hidden, target = hidden[mask], target[mask]
+    if bias is not None and not bool(torch.isfinite(bias).all()):
+        hidden, weight, bias, target = _restrict_to_finite_bias(hidden, weight, bias, target)
     device = hidden.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -273,3 +281,20 @@ def projected_label_smoothed_loss(
     loss_sum, nll_sum = _ProjectedSmoothedCrossEntropy.apply(hidden, weight, bias, target,
                                                              epsilon_ls, grad_scale)
     return loss_sum, nll_sum, int(target.numel())
+
+
+def _restrict_to_finite_bias(hidden: Tensor, weight: Tensor, bias: Tensor,
+                             target: Tensor) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The output layer over the k tokens whose bias is finite: (n', d) hidden states,
+    (k, d) rows of ``weight`` (gathered, so the gradient still reaches the full matrix),
+    their (k,) bias (None when all zero) and the (n',) gold ids renumbered into 0..k-1.
+    Positions whose gold token has a -inf bias are dropped (n' <= n)."""
+    kept = torch.isfinite(bias).nonzero().squeeze(1)  # (k,)
+    position = torch.full(bias.shape, -1, dtype=torch.long, device=bias.device)
+    position[kept] = torch.arange(kept.numel(), device=bias.device)
+    target = position[target]
+    scorable = target >= 0
+    if not bool(scorable.all()):
+        hidden, target = hidden[scorable], target[scorable]
+    bias = bias[kept]
+    return hidden, weight.index_select(0, kept), (bias if bool(bias.any()) else None), target
