@@ -10,8 +10,9 @@ kernels, as a run's first epoch does, so that no contender inherits another's), 
 
 - ``aiayn``: :class:`aiayn.training.loop.Trainer`'s own ``train_step`` (collate, forward,
   label-smoothed loss, backward, gradient norm, Adam, the learning-rate schedule), fp32, bf16
-  autocast, and bf16 with ``train.bf16_weights`` (a bf16 compute copy of the weights, float32
-  masters in Adam);
+  autocast, bf16 with ``train.bf16_weights`` (a bf16 compute copy of the weights, float32
+  masters in Adam), and that with ``model.output_vocab = "target"`` as well (the output layer
+  over the tokens of the training targets only);
 - ``torch.nn.Transformer`` (post-norm, tied embeddings, sinusoids, the same sizes) trained the
   way its documentation suggests: ``F.cross_entropy(..., label_smoothing=0.1,
   ignore_index=pad)`` over every position, Adam, fp32 and bf16 autocast;
@@ -20,7 +21,8 @@ kernels, as a run's first epoch does, so that no contender inherits another's), 
 
 Model FLOPs count the matrix products the model needs per sentence pair (projections and
 feed-forward layers on real tokens, attention scores and sums over real lengths, the output
-layer on real target tokens), times 3 for forward and backward (Kaplan et al. 2020). FLOP
+layer on real target tokens, over the tokens it scores), times 3 for forward and backward
+(Kaplan et al. 2020). FLOP
 utilization (MFU) divides the model FLOPs per second by the rate of a bf16 2048x2048x2048
 matrix product measured in the same run, on the same threads.
 """
@@ -71,9 +73,10 @@ class TorchTransformer(nn.Module):
         return F.linear(out, self.embed.weight)
 
 
-def pair_flops(m, src_len: int, tgt_len: int) -> float:
+def pair_flops(m, src_len: int, tgt_len: int, out_vocab: int | None = None) -> float:
     """Training FLOPs (3 x forward) of one sentence pair of ``src_len`` and ``tgt_len`` tokens
-    under ModelConfig ``m``: 2 FLOPs per multiply-add of every matrix product."""
+    under ModelConfig ``m``: 2 FLOPs per multiply-add of every matrix product; the output
+    layer scores ``out_vocab`` tokens (default: the whole target vocabulary)."""
     qk, v = m.h * m.d_k, m.h * m.d_v
     proj = m.d_model * (2 * qk + v) + v * m.d_model  # W^Q, W^K, W^V, W^O per token
     ffn = 2 * m.d_model * m.d_ff
@@ -83,7 +86,7 @@ def pair_flops(m, src_len: int, tgt_len: int) -> float:
                  + src_len * (m.d_model * (qk + v))  # W^K, W^V on the source
                  + tgt_len * src_len * (qk + v))
     dec = m.N * (dec_self + dec_cross + tgt_len * ffn)
-    out = tgt_len * m.d_model * m.target_vocab_size
+    out = tgt_len * m.d_model * (out_vocab or m.target_vocab_size)
     return 3 * 2 * (enc + dec + out)
 
 
@@ -178,7 +181,9 @@ def main() -> None:
         for name, extra in (("aiayn_fp32", ["train.bf16=false", "train.bf16_weights=false"]),
                             ("aiayn_bf16", ["train.bf16=true", "train.bf16_weights=false"]),
                             ("aiayn_bf16_weights", ["train.bf16=true",
-                                                    "train.bf16_weights=true"])):
+                                                    "train.bf16_weights=true"]),
+                            ("aiayn_target_vocab", ["train.bf16=true", "train.bf16_weights=true",
+                                                    "model.output_vocab=target"])):
             config = load_config(preset, base + extra)
             row[name], order = time_aiayn(config, vocab, enc, args.steps, args.warmup)
         cfg = load_config(preset, base).model
@@ -189,6 +194,9 @@ def main() -> None:
         flops = sum(pair_flops(cfg, int(src_len[i]), int(tgt_len[i]))
                     for idx in order for i in idx)
         flops_per_token = flops / tokens
+        kept = len(enc.target_token_ids())
+        target_flops_per_token = sum(pair_flops(cfg, int(src_len[i]), int(tgt_len[i]), kept)
+                                     for idx in order for i in idx) / tokens
         best = max(row["aiayn_bf16"], row["aiayn_bf16_weights"])
         row.update({
             "ratio_fp32": row["aiayn_fp32"] / row["torch_fp32"],
@@ -197,6 +205,10 @@ def main() -> None:
             "model_gflop_per_token": flops_per_token / 1e9,
             "mfu_bf16": row["aiayn_bf16"] * flops_per_token / peak,
             "mfu_bf16_weights": row["aiayn_bf16_weights"] * flops_per_token / peak,
+            "ratio_target_vocab": row["aiayn_target_vocab"] / row["torch_bf16"],
+            "output_vocab_target": kept,
+            "model_gflop_per_token_target_vocab": target_flops_per_token / 1e9,
+            "mfu_target_vocab": row["aiayn_target_vocab"] * target_flops_per_token / peak,
             "mfu_torch_bf16": row["torch_bf16"] * flops_per_token / peak,
             "mfu_best": best * flops_per_token / peak,
         })
@@ -210,6 +222,10 @@ def main() -> None:
             f"(torch.nn.Transformer {r['mfu_torch_bf16']:.1%})")
         say(f"  aiayn bf16 weights {r['aiayn_bf16_weights']:7.0f}   ratio "
             f"{r['ratio_bf16_weights']:.2f}x   MFU {r['mfu_bf16_weights']:.1%}")
+        say(f"  aiayn bf16 weights, output_vocab target ({r['output_vocab_target']} tokens, "
+            f"{r['model_gflop_per_token_target_vocab'] * 1e3:.1f} MFLOP/token) "
+            f"{r['aiayn_target_vocab']:7.0f}   ratio {r['ratio_target_vocab']:.2f}x   "
+            f"MFU {r['mfu_target_vocab']:.1%}")
         say(f"  torch.nn.Transformer bf16 with aiayn's loss {r['torch_bf16_aiayn_loss']:7.0f}")
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "max_tokens": args.max_tokens,

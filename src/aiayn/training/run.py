@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from aiayn.checkpoint import list_checkpoints, recover_run_dir
@@ -173,6 +174,10 @@ def run_training(
             f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
             f"run dir {run_dir}")
+        bias = trainer.model.final_logits_bias
+        if config.model.output_vocab == "target" and bias is not None:
+            log(f"aiayn train: output vocabulary {int(torch.isfinite(bias).sum())} of "
+                f"{bias.numel()} tokens (those of the training targets, and EOS)")
         if resume_from is not None:
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step})")
     try:
