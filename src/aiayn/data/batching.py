@@ -10,6 +10,7 @@ ones already seen.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,11 +52,8 @@ class EncodedCorpus:
     def target_token_ids(self) -> np.ndarray:
         """(k,) int64 sorted ids of the tokens the targets hold, EOS included (every target
         ends in it): the tokens a decoder trained on this corpus is asked to produce."""
-        seen = np.zeros(max((max(t, default=0) for t in self.tgt), default=0) + 1, dtype=bool)
-        for t in self.tgt:
-            seen[t] = True
-        seen = np.flatnonzero(seen)
-        return np.union1d(seen, [EOS_ID]) if len(seen) else np.array([EOS_ID], dtype=np.int64)
+        ids = np.fromiter(itertools.chain.from_iterable(self.tgt), dtype=np.int64)
+        return np.union1d(ids, np.array([EOS_ID], dtype=np.int64))
 
     def describe(self) -> str:
         """One line for logs: pairs kept and pairs filtered for length."""

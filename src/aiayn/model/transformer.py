@@ -424,10 +424,11 @@ class Transformer(nn.Module):
                              "(or final_logits_bias = true)")
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         V = self.final_logits_bias.numel()
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V:
-            raise ValueError(f"output token ids must be non-empty and in [0, {V}), got "
-                             f"{ids.numel()} ids in [{int(ids.min()) if ids.numel() else '-'}, "
-                             f"{int(ids.max()) if ids.numel() else '-'}]")
+        if ids.numel() == 0:
+            raise ValueError("output token ids: none given")
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"output token ids must be in [0, {V}), got ids in "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
         bias = torch.full_like(self.final_logits_bias, float("-inf"))
         bias[ids.to(bias.device)] = 0.0
         self.final_logits_bias.copy_(bias)

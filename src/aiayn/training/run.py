@@ -174,8 +174,8 @@ def run_training(
             f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
             f"run dir {run_dir}")
-        bias = trainer.model.final_logits_bias
-        if config.model.output_vocab == "target" and bias is not None:
+        if config.model.output_vocab == "target":  # the bias limit_output_vocab set
+            bias = trainer.model.final_logits_bias
             log(f"aiayn train: output vocabulary {int(torch.isfinite(bias).sum())} of "
                 f"{bias.numel()} tokens (those of the training targets, and EOS)")
         if resume_from is not None:
