@@ -185,6 +185,9 @@ class TrainConfig:
     checkpoint_every_steps: int = 0  # 0: off
     checkpoint_every_s: float = 600.0  # the paper wrote one every 10 minutes, §6.1
     keep_last: int = 5  # checkpoints kept; averaging uses the last 5 (base) or 20 (big)
+    # > 0: also keep an exponential moving average of the weights, updated after every update
+    # with this decay (not in the paper, whose §6.1 averages checkpoints), saved as RUN/ema
+    ema_decay: float = 0.0
     eval_every_steps: int = 1000
     eval_bleu_sentences: int = 500  # validation sentences decoded greedily for BLEU; 0: none
     early_stopping_patience: int = 0  # evaluations without a better BLEU before stopping; 0: off
@@ -201,7 +204,7 @@ class TrainConfig:
         _choice(self, "lr_schedule", LR_SCHEDULES)
         if self.bf16_weights and not self.bf16:
             raise ValueError("TrainConfig.bf16_weights=True needs bf16=True")
-        _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2")
+        _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2", "ema_decay")
 
 
 @dataclass(frozen=True)

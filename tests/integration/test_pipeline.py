@@ -17,23 +17,32 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
            "--set", "decode.batch_size=250", "--json"]
     code = main(job + ["--set", "data.train_limit=4000", "--set", "train.max_steps=240",
                        "--set", "train.lr_scale=1.0", "--set", "train.checkpoint_every_steps=60",
-                       "--set", "train.eval_every_steps=120", "--average", "3", "1"])
+                       "--set", "train.eval_every_steps=120", "--set", "train.ema_decay=0.99",
+                       "--average", "3", "1"])
     assert code == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
-    # each averaging width was scored on val; the better one is the model on disk that
-    # translated the test set
+    # each averaging width, and the moving average of the weights, was scored on val; the
+    # best one is the model on disk that translated the test set
     by_average = results["valid_bleu_by_average"]
-    assert set(by_average) == {"3", "1"} and all(set(v) == {"0.6"} for v in by_average.values())
-    width = max(("3", "1"), key=lambda k: by_average[k]["0.6"])
+    assert list(by_average) == ["3", "1", "ema"]
+    assert all(set(v) == {"0.6"} for v in by_average.values())
+    width = max(("3", "1", "ema"), key=lambda k: by_average[k]["0.6"])
+    assert results["weights"] == width
     assert results["valid_bleu_by_alpha"] == by_average[width]
-    assert results["averaged"] == ["step-00000120", "step-00000180", "step-00000240"][-int(width):]
-    meta = json.loads((run_dir / "averaged" / "meta.json").read_text())
-    assert [Path(p).name for p in meta["averaged_from"]] == results["averaged"]
+    if width == "ema":
+        assert results["averaged"] == ["ema"]
+    else:
+        steps = ["step-00000120", "step-00000180", "step-00000240"]
+        assert results["averaged"] == steps[-int(width):]
+        meta = json.loads((run_dir / "averaged" / "meta.json").read_text())
+        assert [Path(p).name for p in meta["averaged_from"]] == results["averaged"]
+    ema_meta = json.loads((run_dir / "ema" / "meta.json").read_text())
+    assert ema_meta["step"] == 240 and ema_meta["ema_updates"] == 240
 
     for name in ("config.json", "tokenizer.json", "metrics.jsonl", "train_summary.json",
                  "results.json", "curves.png", "test.hyp.de", "averaged/model.safetensors",
-                 "best/model.safetensors"):
+                 "best/model.safetensors", "ema/model.safetensors"):
         assert (run_dir / name).is_file(), name
     assert [p.name for p in sorted((run_dir / "checkpoints").iterdir())] == \
         ["step-00000120", "step-00000180", "step-00000240"]
@@ -56,17 +65,19 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
     assert results["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert results["multi30k_tok_reference"].endswith("test_2016_flickr.lc.norm.tok.de.gz")
 
-    # the same finished run, resumed with the widths in the other order: training has nothing
-    # left to do (the run's config.json keeps its 240 steps), val scores the same weights
-    # again, and the width chosen is the same one. Unless the two widths tie on val, the
-    # winner comes last in one order (the loop's average is the one on disk) and not in the
-    # other (it is averaged again), so both paths translate the test set.
+    # the same finished run, resumed with the widths in the other order and without repeating
+    # train.ema_decay (the run's config.json keeps it, and its 240 steps): training has nothing
+    # left to do, val scores the same weights again, and the same candidate is chosen. Unless
+    # the two widths tie on val, the winning width comes last in one order (the loop's average
+    # is the one on disk) and not in the other (it is averaged again).
     code = main(job + ["--resume", "--average", "1", "3"])
     assert code == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert again["train_steps"] == 240 and again["valid_bleu_by_average"] == by_average
-    if by_average["3"] != by_average["1"]:  # a tie goes to the first given: 1 here, 3 above
+    assert again["train_steps"] == 240
+    assert again["valid_bleu_by_average"] == {k: by_average[k] for k in ("1", "3", "ema")}
+    if len({v["0.6"] for v in by_average.values()}) == 3:  # a tie goes to the first given
         assert again["averaged"] == results["averaged"]
         assert again["multi30k_tok_bleu"] == results["multi30k_tok_bleu"]
-    meta = json.loads((run_dir / "averaged" / "meta.json").read_text())
-    assert [Path(p).name for p in meta["averaged_from"]] == again["averaged"]
+    if again["weights"] != "ema":
+        meta = json.loads((run_dir / "averaged" / "meta.json").read_text())
+        assert [Path(p).name for p in meta["averaged_from"]] == again["averaged"]

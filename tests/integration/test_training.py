@@ -310,7 +310,7 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
 
 
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
-    cfg = task_config(tmp_path, max_steps=30)
+    cfg = task_config(tmp_path, max_steps=30, ema_decay=0.9)  # the EMA must resume too
     cfg = cfg.replace(model=replace(cfg.model, P_drop=0.2))  # dropout: RNG state must resume
     run_training(cfg, tmp_path / "full", progress=False, log=quiet)
     part = cfg.replace(train=replace(cfg.train, max_steps=20))
@@ -321,10 +321,43 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None
     assert sorted(full) == sorted(split) == list(range(1, 31))
     for step in range(21, 31):
         assert split[step] == full[step], step
-    a = load_file(str(tmp_path / "full/checkpoints/step-00000030/model.safetensors"))
-    b = load_file(str(tmp_path / "split/checkpoints/step-00000030/model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    for weights in ("checkpoints/step-00000030/model.safetensors", "ema/model.safetensors"):
+        a = load_file(str(tmp_path / "full" / weights))
+        b = load_file(str(tmp_path / "split" / weights))
+        assert all(torch.equal(a[k], b[k]) for k in a), weights
+    assert json.loads((tmp_path / "split/ema/meta.json").read_text())["ema_updates"] == 30
     assert full[30] < full[1] * 0.8
+
+
+def test_ema_is_the_moving_average_of_every_update(tmp_path: Path) -> None:
+    from aiayn.data.batching import encode_corpus
+    from aiayn.data.vocab import Vocabulary
+    from aiayn.training.loop import Trainer
+    from aiayn.training.run import load_split
+
+    cfg = task_config(tmp_path, ema_decay=0.9)
+    corpus = load_split(cfg.data, "train")
+    vocab = Vocabulary.learn(corpus.src + corpus.tgt, 40)
+    cfg = cfg.replace(model=replace(cfg.model, vocab_size=len(vocab)))
+    trainer = Trainer(cfg, tmp_path / "run", vocab, encode_corpus(vocab, corpus, 32),
+                      progress=False)
+    assert trainer.save_ema() is None  # nothing averaged yet: no ema/
+    expected: dict[str, torch.Tensor] = {}
+    for _ in range(8):  # the first update is copied, then ema = 0.9 ema + 0.1 weights
+        trainer.train_step()
+        weights = {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}
+        expected = {n: 0.9 * expected[n] + 0.1 * w if expected else w
+                    for n, w in weights.items()}
+    path = trainer.save_ema()
+    assert path == tmp_path / "run" / "ema"
+    assert json.loads((path / "meta.json").read_text())["ema_updates"] == 8
+    model, _, _ = load_checkpoint(path)
+    assert model.tgt_embed is model.src_embed  # still one tied matrix
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.double(), expected[name], rtol=0, atol=1e-6)
+    gap = max(float((p.detach().double() - expected[n]).abs().max())
+              for n, p in trainer.model.named_parameters())
+    assert gap > 1e-3  # the average lags the live weights
 
 
 def test_average_is_the_elementwise_mean(tmp_path: Path) -> None:

@@ -25,7 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how many of the last checkpoints to average (§6.1); several values "
                         "are each tried on the whole validation set, with every alpha, and "
                         "the best pair there translates the test set (default: the preset's "
-                        "train.keep_last; a value above it needs --set train.keep_last=K)")
+                        "train.keep_last; a value above it needs --set train.keep_last=K). "
+                        "A run with train.ema_decay > 0 also tries its moving average of the "
+                        "weights (RUN_DIR/ema) the same way")
     p.add_argument("--alphas", type=float, nargs="+", default=None, metavar="ALPHA",
                    help="length penalties alpha (§6.1, Wu et al. 2016's lp; 0 = none) to try with beam "
                         "search on the whole validation set; the best one there translates "
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
-    from aiayn.checkpoint import list_checkpoints, load_checkpoint
+    from aiayn.checkpoint import is_checkpoint, list_checkpoints, load_checkpoint
     from aiayn.cli.plot import plot_run
     from aiayn.config import load_config
     from aiayn.devices import choose_device
@@ -115,9 +117,14 @@ def run(args: argparse.Namespace) -> int:
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
 
-    def average(k: int) -> tuple[list[Path], tuple[Any, Any, Any]]:
+    def average(k: int | str) -> tuple[list[Path], tuple[Any, Any, Any]]:
         """The last ``k`` checkpoints averaged into run_dir/averaged, and that model loaded:
-        (their paths, (model, run config, vocabulary))."""
+        (their paths, (model, run config, vocabulary)); ``k = "ema"``: the run's moving
+        average of the weights, run_dir/ema."""
+        if k == "ema":
+            say(f"[2/4] the moving average of the weights (train.ema_decay {ema_decay}): "
+                f"{run_dir / 'ema'}")
+            return [run_dir / "ema"], load_checkpoint(run_dir / "ema", device)
         found = list_checkpoints(run_dir)[-k:]
         say(f"[2/4] averaging the last {len(found)} checkpoints (§6.1): "
             f"{', '.join(p.name for p in found)}")
@@ -142,22 +149,28 @@ def run(args: argparse.Namespace) -> int:
     alphas = args.alphas or [dc.alpha]
     valid = load_split(d, "valid")
     by_average: dict[str, dict[str, float]] = {}
+    candidates: list[int | str] = [*widths]
+    # the run's own config (a resumed run may not repeat its --set train.ema_decay)
+    ema_decay = load_config(str(run_dir / "config.json")).train.ema_decay
+    if ema_decay > 0 and is_checkpoint(run_dir / "ema"):
+        candidates.append("ema")
     width, alpha = widths[0], dc.alpha
     if valid is not None and len(valid):
         refs = valid.tgt if lc_tok or d.dataset != "multi30k" else \
             [multi30k_tokenize(r, d.tgt_lang) for r in valid.tgt]
-        for k in widths:
+        for k in candidates:
             found, loaded = average(k)
             say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
                 f"alpha {', '.join(map(str, alphas))}")
             scores_k = by_average[str(k)] = {}
+            which = "the moving average" if k == "ema" else f"last {k} averaged"
             for a in alphas:
                 scores_k[str(a)] = round(bleu_of(translate(loaded, valid.src, a), refs), 2)
-                say(f"      val BLEU, last {k} averaged, alpha {a}: {scores_k[str(a)]:.2f}")
-        width, alpha = max(((k, a) for k in widths for a in alphas),
+                say(f"      val BLEU, {which}, alpha {a}: {scores_k[str(a)]:.2f}")
+        width, alpha = max(((k, a) for k in candidates for a in alphas),
                            key=lambda ka: by_average[str(ka[0])][str(ka[1])])
     valid_bleu = by_average.get(str(width), {})
-    if not by_average or width != widths[-1]:  # the chosen average is the one on disk
+    if not by_average or width != candidates[-1]:  # load the chosen one (the last is loaded)
         found, loaded = average(width)
     say(f"[3/4] translating {len(test)} test sentences: beam {dc.beam_size}, alpha {alpha}, "
         f"max length input + {dc.max_len_b}")
@@ -183,11 +196,14 @@ def run(args: argparse.Namespace) -> int:
         # on a shared machine compare only when this is small
         "train_cpu_steal_pct": summary.get("cpu_steal_pct"),
         "threads": torch.get_num_threads(), "averaged": [p.name for p in found],
+        # "ema" when the moving average of the weights won on val, else the averaging width
+        "weights": str(width),
         "beam_size": dc.beam_size, "alpha": alpha,
         # beam-search BLEU on the whole validation set at each alpha tried (the headline
         # protocol: Multi30k's on Multi30k), the test set translated once with the best
         "valid_bleu_by_alpha": valid_bleu,
-        # the same for every averaging width tried ({"5": {"0.6": ...}}), the chosen one above
+        # the same for every averaging width tried ({"5": {"0.6": ...}}, and "ema" for the
+        # moving average of the weights), the chosen one above
         "valid_bleu_by_average": by_average,
         # the text the model reads and writes: "none" (cased, detokenized, scored with
         # sacreBLEU) or "lc-norm-tok" (the Multi30k protocol's text, scored as it is)
@@ -215,8 +231,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results))
         return 0
+    weights = "the moving average of the weights (train.ema_decay)" if width == "ema" \
+        else f"the last {len(found)} checkpoints averaged"
     print(f"\nResults on {d.dataset} {results['test_set']} ({d.src_lang}->{d.tgt_lang}), "
-          f"the last {len(found)} checkpoints averaged, beam {dc.beam_size}, alpha {alpha}:")
+          f"{weights}, beam {dc.beam_size}, alpha {alpha}:")
     if lc_tok:
         print(f"  text: lowercased, normalized, Moses-tokenized (data.preprocess = lc-norm-tok); "
               f"chrF {results['sacrebleu_chrf']:.2f} on that text")
@@ -229,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
     if results["bleu_signature"]:
         print(f"  {results['bleu_signature']}")
     for k, by_alpha in by_average.items():
-        print(f"  validation set, same beam, headline protocol, last {k} averaged: " + ", ".join(
+        which = "the moving average" if k == "ema" else f"last {k} averaged"
+        print(f"  validation set, same beam, headline protocol, {which}: " + ", ".join(
             f"BLEU {b:.2f} at alpha {a}" for a, b in by_alpha.items()))
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps; "
           f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, {png.name}, "

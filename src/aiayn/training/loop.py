@@ -14,6 +14,8 @@ Run directory::
     RUN/tb/                TensorBoard event files
     RUN/checkpoints/step-N the last ``keep_last`` checkpoints (with training state)
     RUN/best/              the checkpoint with the best validation BLEU (or loss)
+    RUN/ema/               the exponential moving average of the weights when training ends
+                           (only with ``train.ema_decay`` > 0)
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from aiayn.checkpoint import load_training_state
 from aiayn.config import Config
@@ -215,6 +218,11 @@ class Trainer:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model,
                                                                                  self.tc)
+        # train.ema_decay: a float32 moving average of the master weights, one lerp per update
+        self.ema: AveragedModel | None = None
+        if self.tc.ema_decay > 0:
+            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(
+                self.tc.ema_decay), use_buffers=False)
         self.metrics = metrics if metrics is not None else \
             MetricsSink(self.run_dir, enabled=self.dist.is_main)
         self.checkpointer = checkpointer if checkpointer is not None else \
@@ -253,6 +261,7 @@ class Trainer:
             "best_metric": s.best_metric, "evals_since_best": s.evals_since_best,
             "target_tokens": s.target_tokens,
             "optimizer": self.optimizer.state_dict(),
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             # dropout masks: every process's own generators; batching has its own seed
             "rng": self._gather_rng_states(),
             "rank": self.dist.rank, "world_size": self.dist.world_size,
@@ -286,6 +295,11 @@ class Trainer:
                             f"{self.dist.world_size})")
         self.optimizer.load_state_dict(st["optimizer"])
         self._sync_compute_weights()
+        if self.ema is not None:  # a run that turns the EMA on when resumed starts it here
+            if "ema" in st:
+                self.ema.load_state_dict(st["ema"])
+            else:
+                self.ema.n_averaged.zero_()
         self.state = TrainState(
             step=st["step"], epoch=st["epoch"], batch_in_epoch=st["batch_in_epoch"],
             elapsed_s=st["elapsed_s"], nonfinite_total=st["nonfinite_total"],
@@ -375,6 +389,8 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.step()
         self._sync_compute_weights()
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
         self.state.step += 1
         self.state.target_tokens += int(global_tokens)
         return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "lr": lr,
@@ -413,6 +429,24 @@ class Trainer:
         meta = {"step": self.state.step, "epoch": self.state.epoch, "reason": reason,
                 "elapsed_s": round(self.state.elapsed_s, 1), "time": time.time()}
         return self.checkpointer.save_step(self.model, meta, state)
+
+    def save_ema(self, reason: str = "final") -> Path | None:
+        """Write ``RUN/ema``, a checkpoint of the moving average of the weights (only with
+        ``train.ema_decay`` > 0, on the main process, when it has averaged at least one update
+        and is finite; returns None otherwise). Its buffers, such as the output-vocabulary bias,
+        are the model's."""
+        if self.ema is None or not self.dist.is_main or int(self.ema.n_averaged) == 0:
+            return None
+        averaged = self.ema.module
+        with torch.no_grad():
+            for mine, live in zip(averaged.buffers(), self.model.buffers()):
+                mine.copy_(live)
+        if not weights_finite(averaged):
+            return None
+        meta = {"step": self.state.step, "epoch": self.state.epoch, "reason": reason,
+                "ema_decay": self.tc.ema_decay, "ema_updates": int(self.ema.n_averaged),
+                "time": time.time()}
+        return self.checkpointer.save_ema(averaged, meta)
 
     def validate(self) -> dict[str, float]:
         """Validation figures of the current weights (see :func:`validation_figures`)."""
@@ -477,6 +511,7 @@ class Trainer:
                 if s.step % tc.eval_every_steps != 0 or not last_valid:
                     last_valid = self._evaluate_and_track()
                 self.save(stop_reason)
+                self.save_ema(stop_reason)
         finally:
             bar.close()
             self.metrics.close()

@@ -153,6 +153,11 @@ class Checkpointer:
         """Replace ``best/`` (weights only, no training state); returns its path."""
         return save_checkpoint(self.run_dir / "best", model, self.config, self.vocab, meta)
 
+    def save_ema(self, model: nn.Module, meta: dict[str, Any]) -> Path:
+        """Replace ``ema/`` (the moving average of the weights, no training state); returns
+        its path."""
+        return save_checkpoint(self.run_dir / "ema", model, self.config, self.vocab, meta)
+
     def newest(self) -> Path | None:
         """The newest complete ``checkpoints/step-N``, or None when there is none."""
         found = list_checkpoints(self.run_dir)

@@ -178,6 +178,9 @@ def run_training(
             bias = trainer.model.final_logits_bias
             log(f"aiayn train: output vocabulary {int(torch.isfinite(bias).sum())} of "
                 f"{bias.numel()} tokens (those of the training targets, and EOS)")
+        if config.train.ema_decay > 0:
+            log(f"aiayn train: a moving average of the weights (decay {config.train.ema_decay}) "
+                f"goes to {run_dir / 'ema'} when training ends")
         if resume_from is not None:
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step})")
     try:
