@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
 
+def _described(candidate: int | str) -> str:
+    """How the job names a candidate model: an averaging width, or "ema"."""
+    return "the moving average" if candidate == "ema" else f"last {candidate} averaged"
+
+
 def _tok_reference(dataset: str, tgt_lang: str) -> Path | None:
     from aiayn.data.corpus import data_dir
 
@@ -163,10 +168,9 @@ def run(args: argparse.Namespace) -> int:
             say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
                 f"alpha {', '.join(map(str, alphas))}")
             scores_k = by_average[str(k)] = {}
-            which = "the moving average" if k == "ema" else f"last {k} averaged"
             for a in alphas:
                 scores_k[str(a)] = round(bleu_of(translate(loaded, valid.src, a), refs), 2)
-                say(f"      val BLEU, {which}, alpha {a}: {scores_k[str(a)]:.2f}")
+                say(f"      val BLEU, {_described(k)}, alpha {a}: {scores_k[str(a)]:.2f}")
         width, alpha = max(((k, a) for k in candidates for a in alphas),
                            key=lambda ka: by_average[str(ka[0])][str(ka[1])])
     valid_bleu = by_average.get(str(width), {})
@@ -247,8 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if results["bleu_signature"]:
         print(f"  {results['bleu_signature']}")
     for k, by_alpha in by_average.items():
-        which = "the moving average" if k == "ema" else f"last {k} averaged"
-        print(f"  validation set, same beam, headline protocol, {which}: " + ", ".join(
+        print(f"  validation set, same beam, headline protocol, {_described(k)}: " + ", ".join(
             f"BLEU {b:.2f} at alpha {a}" for a, b in by_alpha.items()))
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps; "
           f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, {png.name}, "
