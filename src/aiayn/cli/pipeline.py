@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _described(candidate: int | str) -> str:
     """How the job names a candidate model: an averaging width, or "ema"."""
-    return "the moving average" if candidate == "ema" else f"last {candidate} averaged"
+    return "the moving average of the weights" if candidate == "ema" \
+        else f"the last {candidate} checkpoints averaged"
 
 
 def _tok_reference(dataset: str, tgt_lang: str) -> Path | None:
@@ -235,10 +236,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results))
         return 0
-    weights = "the moving average of the weights (train.ema_decay)" if width == "ema" \
-        else f"the last {len(found)} checkpoints averaged"
     print(f"\nResults on {d.dataset} {results['test_set']} ({d.src_lang}->{d.tgt_lang}), "
-          f"{weights}, beam {dc.beam_size}, alpha {alpha}:")
+          f"{_described(width)}, beam {dc.beam_size}, alpha {alpha}:")
     if lc_tok:
         print(f"  text: lowercased, normalized, Moses-tokenized (data.preprocess = lc-norm-tok); "
               f"chrF {results['sacrebleu_chrf']:.2f} on that text")

@@ -434,7 +434,11 @@ class Trainer:
         """Write ``RUN/ema``, a checkpoint of the moving average of the weights (only with
         ``train.ema_decay`` > 0, on the main process, when it has averaged at least one update
         and is finite; returns None otherwise). Its buffers, such as the output-vocabulary bias,
-        are the model's."""
+        are the model's.
+
+        Raises:
+            OSError: the write failed (full disk, permissions); an earlier ``ema/`` stays.
+        """
         if self.ema is None or not self.dist.is_main or int(self.ema.n_averaged) == 0:
             return None
         averaged = self.ema.module
