@@ -149,6 +149,9 @@ class DataConfig:
     max_tokens: int = 4096  # tokens per batch on each side, per process, §5.1 used ~25000
     max_len: int = 256  # pairs longer than this (subword tokens, either side) are dropped
     train_limit: int = 0  # use only the first N training pairs (smoke runs); 0: all
+    # > 0: BPE-dropout (Provilkov et al. 2020; not in the paper): every epoch segments the
+    # training text anew, skipping each BPE merge with this probability (aiayn.data.bpe_dropout)
+    bpe_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -156,6 +159,10 @@ class DataConfig:
         _non_negative(self, "train_limit")
         _choice(self, "vocab_kind", ("bpe", "wordpiece"))
         _choice(self, "preprocess", PREPROCESS_MODES)
+        _probability(self, "bpe_dropout")
+        if self.bpe_dropout > 0 and self.vocab_kind != "bpe":
+            raise ValueError(f"DataConfig.bpe_dropout needs vocab_kind 'bpe', not "
+                             f"{self.vocab_kind!r}")
 
 
 @dataclass(frozen=True)

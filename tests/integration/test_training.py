@@ -312,6 +312,8 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
     cfg = task_config(tmp_path, max_steps=30, ema_decay=0.9)  # the EMA must resume too
     cfg = cfg.replace(model=replace(cfg.model, P_drop=0.2))  # dropout: RNG state must resume
+    # and BPE-dropout's segmentation of the epoch the run stopped in
+    cfg = cfg.replace(data=replace(cfg.data, bpe_dropout=0.2))
     run_training(cfg, tmp_path / "full", progress=False, log=quiet)
     part = cfg.replace(train=replace(cfg.train, max_steps=20))
     run_training(part, tmp_path / "split", progress=False, log=quiet)

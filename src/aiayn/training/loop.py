@@ -39,7 +39,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from aiayn.checkpoint import load_training_state
 from aiayn.config import Config
-from aiayn.data.batching import EncodedCorpus, collate, make_batches
+from aiayn.data.batching import Batch, EncodedCorpus, collate, make_batches
+from aiayn.data.bpe_dropout import DroppedCorpus
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import cpu_times, keep_freed_memory, steal_percent
@@ -143,9 +144,11 @@ class Trainer:
             rate is overwritten at every step by the §5.3 schedule.
         metrics: where log records go; default :class:`MetricsSink` on ``run_dir``.
         checkpointer: writes checkpoints; default :class:`Checkpointer` on ``run_dir``.
+        train_text: the pairs ``train`` was encoded from (``train.index`` points into them);
+            needed only with ``data.bpe_dropout``, which segments them anew every epoch.
 
     Raises:
-        ValueError: no training pairs.
+        ValueError: no training pairs, or ``data.bpe_dropout`` without ``train_text``.
         RuntimeError: several processes but no process group (call :func:`init_distributed`).
     """
 
@@ -165,6 +168,7 @@ class Trainer:
         optimizer: torch.optim.Optimizer | None = None,
         metrics: MetricsSink | None = None,
         checkpointer: Checkpointer | None = None,
+        train_text: ParallelCorpus | None = None,
     ) -> None:
         self.config = config
         self.tc = config.train
@@ -195,9 +199,18 @@ class Trainer:
         self.state = TrainState()
         self._stop_signal: int | None = None
         self._last_ckpt_time = time.monotonic()
-        self._src_len = train.src_lengths()
-        self._tgt_len = train.tgt_lengths()
         self._epoch_batches: list[list[int]] | None = None
+        # data.bpe_dropout: every epoch's pairs segmented anew, a pure function of (seed, epoch)
+        self._dropped: DroppedCorpus | None = None
+        if config.data.bpe_dropout > 0:
+            if train_text is None:
+                raise ValueError("data.bpe_dropout needs the training pairs' text (train_text)")
+            self._dropped = DroppedCorpus(
+                vocab, [train_text.src[i] for i in train.index],
+                [train_text.tgt[i] for i in train.index], train, config.data.bpe_dropout,
+                config.data.max_len, self.tc.seed,
+                restrict_target=config.model.output_vocab == "target")
+        self._epoch_data: tuple[int, EncodedCorpus] | None = None
 
         self.model = model if model is not None else build_model(config, self.device,
                                                                  self.tc.seed)
@@ -229,16 +242,29 @@ class Trainer:
             Checkpointer(self.run_dir, config, vocab, self.tc.keep_last)
 
     # --- data -----------------------------------------------------------------------------
+    def data_of_epoch(self, epoch: int) -> EncodedCorpus:
+        """The training pairs as ``epoch`` sees them: the encoded corpus, or with
+        ``data.bpe_dropout`` its segmentation for ``(train.seed, epoch)`` (the last one kept)."""
+        if self._dropped is None:
+            return self.train_data
+        if self._epoch_data is None or self._epoch_data[0] != epoch:
+            self._epoch_data = (epoch, self._dropped.epoch(epoch))
+        return self._epoch_data[1]
+
     def batches_of_epoch(self, epoch: int) -> list[list[int]]:
         """The batches of ``epoch`` this process trains on, in order: lists of indices into
-        the training pairs, each batch at most ``data.max_tokens`` tokens a side (padding
+        :meth:`data_of_epoch`, each batch at most ``data.max_tokens`` tokens a side (padding
         included), shuffled by ``(train.seed, epoch)`` and sharded by rank. Deterministic:
         resuming, and benchmarks that time the same batches, call it again."""
-        return make_batches(self._src_len, self._tgt_len, self.config.data.max_tokens,
-                            seed=self.tc.seed, epoch=epoch, shuffle=True,
-                            num_shards=self.dist.world_size, shard_index=self.dist.rank)
+        data = self.data_of_epoch(epoch)
+        return make_batches(data.src_lengths(), data.tgt_lengths(),
+                            self.config.data.max_tokens, seed=self.tc.seed, epoch=epoch,
+                            shuffle=True, num_shards=self.dist.world_size,
+                            shard_index=self.dist.rank)
 
-    def _next_batch_indices(self) -> list[int]:
+    def _next_batch(self) -> Batch:
+        """The next batch of the data order, on the device, moving to the next epoch when
+        this one is used up."""
         s = self.state
         if self._epoch_batches is None:
             self._epoch_batches = self.batches_of_epoch(s.epoch)
@@ -250,7 +276,7 @@ class Trainer:
             self._epoch_batches = self.batches_of_epoch(s.epoch)
         indices = self._epoch_batches[s.batch_in_epoch]
         s.batch_in_epoch += 1
-        return indices
+        return collate(self.data_of_epoch(s.epoch), indices).to(self.device)
 
     # --- checkpoints ----------------------------------------------------------------------
     def _training_state(self) -> dict[str, Any]:
@@ -343,8 +369,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One update from ``accum_steps`` batches (per process). Returns loss figures."""
         self.ddp_model.train()
-        batches = [collate(self.train_data, self._next_batch_indices()).to(self.device)
-                   for _ in range(self.tc.accum_steps)]
+        batches = [self._next_batch() for _ in range(self.tc.accum_steps)]
         tokens = torch.tensor([float(sum(b.tgt_tokens for b in batches))], device=self.device)
         if self.dist.world_size > 1:
             dist.all_reduce(tokens)

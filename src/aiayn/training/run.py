@@ -163,7 +163,7 @@ def run_training(
     _check_trainable(train, train_corpus, config.data)
     valid_enc = encode_corpus(vocab, valid_corpus, config.data.max_len) if valid_corpus else None
     trainer = Trainer(config, run_dir, vocab, train, valid_corpus, valid_enc, dev,
-                      progress=progress)
+                      progress=progress, train_text=train_corpus)
     if resume_from is not None:
         trainer.resume(resume_from)
     if info.is_main:  # validated and restored: only now is anything written
@@ -178,6 +178,10 @@ def run_training(
             bias = trainer.model.final_logits_bias
             log(f"aiayn train: output vocabulary {int(torch.isfinite(bias).sum())} of "
                 f"{bias.numel()} tokens (those of the training targets, and EOS)")
+        if config.data.bpe_dropout > 0:
+            log(f"aiayn train: BPE-dropout {config.data.bpe_dropout}: the training pairs are "
+                "segmented anew every epoch (validation and decoding keep the vocabulary's own "
+                "segmentation)")
         if config.train.ema_decay > 0:
             log(f"aiayn train: a moving average of the weights (decay {config.train.ema_decay}) "
                 f"goes to {run_dir / 'ema'} when training ends")
