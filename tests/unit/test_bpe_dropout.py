@@ -46,7 +46,6 @@ def test_samples_keep_the_text_and_vary(slice_):
     changed = sum(x != y for x, y in zip(a, det)) / len(src)
     assert 0.3 < changed < 1.0
     assert sum(map(len, a)) > 1.1 * sum(map(len, det))  # smaller pieces: longer sentences
-    assert all(len(x) >= len(y) for x, y in zip(a, det))
 
 
 def reference_dropout(word: str, ranks: dict[tuple[str, str], int], p: float,

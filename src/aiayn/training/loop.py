@@ -475,7 +475,7 @@ class Trainer:
         meta = {"step": self.state.step, "epoch": self.state.epoch, "reason": reason,
                 "ema_decay": self.tc.ema_decay, "ema_updates": int(self.ema.n_averaged),
                 "time": time.time()}
-        return self.checkpointer.save_ema(averaged, meta)
+        return self.checkpointer.save_named("ema", averaged, meta)
 
     def validate(self) -> dict[str, float]:
         """Validation figures of the current weights (see :func:`validation_figures`)."""
@@ -643,7 +643,7 @@ class Trainer:
                 s.best_metric = metric
                 s.evals_since_best = 0
                 meta = {"step": s.step, **{k: round(v, 4) for k, v in figures.items()}}
-                self.checkpointer.save_best(self.model, meta)
+                self.checkpointer.save_named("best", self.model, meta)
             else:
                 s.evals_since_best += 1
             self.metrics.log({"kind": "valid", "step": s.step,

@@ -122,8 +122,9 @@ def weights_finite(model: nn.Module) -> bool:
 
 
 class Checkpointer:
-    """Writes ``RUN/checkpoints/step-N`` (with training state) and ``RUN/best`` atomically
-    (:func:`aiayn.checkpoint.save_checkpoint`) and keeps the last ``keep_last`` steps.
+    """Writes ``RUN/checkpoints/step-N`` (with training state), ``RUN/best`` and ``RUN/ema``
+    atomically (:func:`aiayn.checkpoint.save_checkpoint`) and keeps the last ``keep_last``
+    steps.
 
     It writes what it is given: the Trainer checks :func:`weights_finite` first, because with
     several processes that decision must come before the RNG states are gathered, and a
@@ -149,14 +150,15 @@ class Checkpointer:
         prune_checkpoints(self.run_dir, self.keep_last)
         return path
 
-    def save_best(self, model: nn.Module, meta: dict[str, Any]) -> Path:
-        """Replace ``best/`` (weights only, no training state); returns its path."""
-        return save_checkpoint(self.run_dir / "best", model, self.config, self.vocab, meta)
+    def save_named(self, name: str, model: nn.Module, meta: dict[str, Any]) -> Path:
+        """Replace ``RUN/<name>``, weights only (no training state): ``best`` (the best
+        validation BLEU so far) or ``ema`` (the moving average of the weights); returns its
+        path.
 
-    def save_ema(self, model: nn.Module, meta: dict[str, Any]) -> Path:
-        """Replace ``ema/`` (the moving average of the weights, no training state); returns
-        its path."""
-        return save_checkpoint(self.run_dir / "ema", model, self.config, self.vocab, meta)
+        Raises:
+            OSError: the write failed (full disk, permissions); the earlier one stays.
+        """
+        return save_checkpoint(self.run_dir / name, model, self.config, self.vocab, meta)
 
     def newest(self) -> Path | None:
         """The newest complete ``checkpoints/step-N``, or None when there is none."""
