@@ -189,6 +189,7 @@ class DroppedCorpus:
         base: the deterministic encoding.
         p: the probability of skipping a merge, in [0, 1).
         max_len: the length limit ``base`` was filtered with (tokens with EOS).
+        seed: with the epoch, all the randomness of :meth:`epoch` (``train.seed``).
         restrict_target: only segment targets into tokens ``base``'s targets hold (for
             ``model.output_vocab = "target"``).
     """
