@@ -195,6 +195,9 @@ class TrainConfig:
     # > 0: also keep an exponential moving average of the weights, updated after every update
     # with this decay (not in the paper, whose §6.1 averages checkpoints), saved as RUN/ema
     ema_decay: float = 0.0
+    # > 0: late dropout (Liu et al. 2023, not in the paper): the model's dropout stays off until
+    # this fraction of the budget (as the lr schedule measures it: max_steps or time_budget_s)
+    late_dropout_start: float = 0.0
     eval_every_steps: int = 1000
     eval_bleu_sentences: int = 500  # validation sentences decoded greedily for BLEU; 0: none
     early_stopping_patience: int = 0  # evaluations without a better BLEU before stopping; 0: off
@@ -211,7 +214,8 @@ class TrainConfig:
         _choice(self, "lr_schedule", LR_SCHEDULES)
         if self.bf16_weights and not self.bf16:
             raise ValueError("TrainConfig.bf16_weights=True needs bf16=True")
-        _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2", "ema_decay")
+        _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2", "ema_decay",
+                     "late_dropout_start")
 
 
 @dataclass(frozen=True)

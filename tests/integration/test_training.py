@@ -597,3 +597,20 @@ def test_each_process_frees_ddp_before_destroying_its_process_group(tmp_path: Pa
     lines = sorted(line for line in res.stdout.splitlines() if "at destroy_process_group" in line)
     assert lines == [f"rank {r}: 0 DDP alive at destroy_process_group" for r in (0, 1)], \
         res.stdout
+
+
+def test_late_dropout_trains_without_dropout_until_its_start(tmp_path: Path) -> None:
+    """late_dropout_start = 0.5 of max_steps = 16: updates 1-8 are those of a run without
+    dropout (bit for bit: the masks draw nothing from the RNG while off), 9-16 are not."""
+    cfg = task_config(tmp_path, max_steps=16)
+    model = replace(cfg.model, P_drop=0.3, attention_dropout=0.2)
+    late = cfg.replace(model=model, train=replace(cfg.train, late_dropout_start=0.5))
+    always = cfg.replace(model=model)
+    for name, c in (("none", cfg), ("late", late), ("always", always)):
+        run_training(c, tmp_path / name, progress=False, log=quiet)
+    none, late_l, always_l = (train_losses(tmp_path / n) for n in ("none", "late", "always"))
+    assert [late_l[s] for s in range(1, 9)] == [none[s] for s in range(1, 9)]
+    assert all(late_l[s] != none[s] for s in range(9, 17))
+    assert all(late_l[s] != always_l[s] for s in range(1, 17))
+    with pytest.raises(ValueError, match="late_dropout_start"):
+        TrainConfig(late_dropout_start=1.0)

@@ -82,3 +82,32 @@ def test_beam_rules_t2t_and_hf():
     assert math.isclose(forced.log_prob, math.log(0.5), rel_tol=1e-4)
     with pytest.raises(ValueError, match="rules"):
         beam_search(StubStep(TABLE), lens, rules="marian")
+
+
+def test_set_dropout_active_switches_every_dropout_of_training_mode():
+    cfg = dataclasses.replace(TINY, P_drop=0.3, attention_dropout=0.3, word_dropout=0.3)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    src = torch.randint(4, 50, (3, 9))
+    tgt = torch.randint(4, 50, (3, 7))
+    with torch.no_grad():
+        reference = model.eval()(src, tgt)
+        model.train()
+        dropped = model(src, tgt)
+        model.set_dropout_active(False)
+        kept = [model(src, tgt) for _ in range(2)]
+        model.set_dropout_active(True)
+        dropped_again = model(src, tgt)
+    assert not torch.allclose(dropped, reference, atol=1e-3)
+    assert not torch.allclose(dropped_again, reference, atol=1e-3)
+    torch.testing.assert_close(kept[0], reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(kept[1], reference, rtol=0, atol=1e-5)
+    # each kind on its own, so that none is left out of the switch
+    for name in ("P_drop", "attention_dropout", "word_dropout"):
+        only = Transformer(dataclasses.replace(TINY, **{name: 0.5})).train()
+        only.set_dropout_active(False)
+        with torch.no_grad():
+            off = only(src, tgt)
+            on = (only.set_dropout_active(True), only(src, tgt))[1]
+            torch.testing.assert_close(off, only.eval()(src, tgt), rtol=0, atol=1e-5)
+        assert not torch.allclose(on, off, atol=1e-3), name

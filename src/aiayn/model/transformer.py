@@ -74,7 +74,8 @@ class Dropout(nn.Module):
     Multi30k training step. Here one random int64 gives four 16-bit draws, each compared with
     ``P_drop`` quantized to 1/65536 (0.3 becomes 0.29999...), so a mask costs about a seventh as
     much. It uses torch's default generator, so ``torch.manual_seed`` and the saved RNG state
-    make runs reproducible as before. Identity in eval mode or when ``P_drop`` is 0.
+    make runs reproducible as before. Identity in eval mode, when ``P_drop`` is 0, or while
+    ``active`` is False (late dropout: :meth:`Transformer.set_dropout_active`).
 
     Args:
         P_drop: probability of zeroing an element, in [0, 1).
@@ -88,12 +89,13 @@ class Dropout(nn.Module):
         if not 0.0 <= P_drop < 1.0:
             raise ValueError(f"P_drop must be in [0, 1), got {P_drop}")
         self.P_drop = P_drop
+        self.active = True
         # keep an element when its uniform int16 draw is >= this threshold
         self._threshold = -32768 + round(P_drop * 65536)
         self._scale = 65536 / (65536 - round(P_drop * 65536))
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.P_drop == 0.0:
+        if not (self.training and self.active) or self.P_drop == 0.0:
             return x
         n = x.numel()
         draws = torch.randint(-(2**63), 2**63 - 1, ((n + 3) // 4,), dtype=torch.int64,
@@ -185,7 +187,7 @@ class MultiHeadAttention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=is_causal,
-                dropout_p=self.dropout if self.training else 0.0,
+                dropout_p=self.dropout if self.training and self.attn_dropout.active else 0.0,
             )  # (B, h, Tq, d_v)
         B, _, Tq, _ = out.shape
         return self.W_o(out.transpose(1, 2).reshape(B, Tq, self.h * self.d_v))
@@ -433,6 +435,16 @@ class Transformer(nn.Module):
         bias[ids.to(bias.device)] = 0.0
         self.final_logits_bias.copy_(bias)
 
+    def set_dropout_active(self, active: bool) -> None:
+        """Switch all of the model's dropout (``P_drop``, ``attention_dropout`` and
+        ``word_dropout``) off or back on for training mode; eval mode never drops. Late dropout
+        (Liu et al. 2023, "Dropout Reduces Underfitting"; not in the paper) trains the first part
+        of a run without it: :attr:`aiayn.config.TrainConfig.late_dropout_start`.
+        """
+        for module in self.modules():
+            if isinstance(module, Dropout):
+                module.active = active
+
     def _embed(self, embedding: nn.Embedding, tokens: Tensor, offset: int = 0,
                word_dropout: float = 0.0) -> Tensor:
         # §3.4: embedding weights multiplied by sqrt(d_model); §3.5: positions added;
@@ -443,7 +455,7 @@ class Transformer(nn.Module):
         else:
             rows = embedding(tokens)
         scale: Tensor | float = self.embed_scale
-        if word_dropout > 0.0 and self.training:
+        if word_dropout > 0.0 and self.training and self.embed_dropout.active:
             # whole tokens dropped (their position stays), the kept ones scaled by 1 / (1 - p)
             keep = torch.rand(tokens.shape, device=tokens.device) >= word_dropout  # (B, T)
             scale = keep.unsqueeze(-1).to(rows.dtype) * (self.embed_scale / (1.0 - word_dropout))

@@ -56,7 +56,7 @@ from aiayn.training.parts import (
     validation_figures,
     weights_finite,
 )
-from aiayn.training.schedule import scheduled_lr
+from aiayn.training.schedule import budget_progress, scheduled_lr
 
 
 @dataclass
@@ -225,6 +225,7 @@ class Trainer:
         if self.tc.bf16 and self.tc.bf16_weights:
             self.compute_model = copy.deepcopy(self.model).to(torch.bfloat16)
         self.ddp_model: nn.Module = self.compute_model
+        self._dropout_active: bool | None = None  # set by _schedule_dropout (late dropout)
         if self.dist.world_size > 1:
             self.ddp_model = nn.parallel.DistributedDataParallel(
                 self.compute_model,
@@ -366,9 +367,23 @@ class Trainer:
                 hidden, core.tgt_embed.weight, core.final_logits_bias, batch.tgt_out[keep],
                 self.tc.epsilon_ls, self.vocab.pad_id, grad_scale)
 
+    def _schedule_dropout(self) -> None:
+        """Late dropout (``train.late_dropout_start``): the model's dropout is off until that
+        fraction of the budget is spent, then on. A function of the saved step and training
+        seconds, so a resumed run switches where the uninterrupted one would."""
+        if self.tc.late_dropout_start <= 0:
+            return
+        spent = budget_progress(self.state.step, self.state.elapsed_s, self.tc.max_steps,
+                                self.tc.time_budget_s)
+        active = spent >= self.tc.late_dropout_start
+        if active != self._dropout_active:
+            self.compute_model.set_dropout_active(active)
+            self._dropout_active = active
+
     def train_step(self) -> dict[str, float]:
         """One update from ``accum_steps`` batches (per process). Returns loss figures."""
         self.ddp_model.train()
+        self._schedule_dropout()
         batches = [self._next_batch() for _ in range(self.tc.accum_steps)]
         tokens = torch.tensor([float(sum(b.tgt_tokens for b in batches))], device=self.device)
         if self.dist.world_size > 1:

@@ -185,6 +185,10 @@ def run_training(
         if config.train.ema_decay > 0:
             log(f"aiayn train: a moving average of the weights (decay {config.train.ema_decay}) "
                 f"goes to {run_dir / 'ema'} when training ends")
+        if config.train.late_dropout_start > 0:
+            log(f"aiayn train: late dropout: no dropout until "
+                f"{config.train.late_dropout_start:.0%} of the budget is spent, then P_drop "
+                f"{config.model.P_drop}, attention dropout {config.model.attention_dropout}")
         if resume_from is not None:
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step})")
     try:
