@@ -102,12 +102,14 @@ def test_set_dropout_active_switches_every_dropout_of_training_mode():
     assert not torch.allclose(dropped_again, reference, atol=1e-3)
     torch.testing.assert_close(kept[0], reference, rtol=0, atol=1e-5)
     torch.testing.assert_close(kept[1], reference, rtol=0, atol=1e-5)
-    # each kind on its own, so that none is left out of the switch
+    # each kind alone (the others at 0), so that none is left out of the switch
     for name in ("P_drop", "attention_dropout", "word_dropout"):
-        only = Transformer(dataclasses.replace(TINY, **{name: 0.5})).train()
-        only.set_dropout_active(False)
+        alone = dict(P_drop=0.0, attention_dropout=0.0, word_dropout=0.0) | {name: 0.5}
+        only = Transformer(dataclasses.replace(TINY, **alone)).train()
         with torch.no_grad():
+            only.set_dropout_active(False)
             off = only(src, tgt)
-            on = (only.set_dropout_active(True), only(src, tgt))[1]
+            only.set_dropout_active(True)
+            on = only(src, tgt)
             torch.testing.assert_close(off, only.eval()(src, tgt), rtol=0, atol=1e-5)
         assert not torch.allclose(on, off, atol=1e-3), name

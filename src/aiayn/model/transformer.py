@@ -455,6 +455,7 @@ class Transformer(nn.Module):
         else:
             rows = embedding(tokens)
         scale: Tensor | float = self.embed_scale
+        # word dropout has no module of its own: it follows the embedding dropout's switch
         if word_dropout > 0.0 and self.training and self.embed_dropout.active:
             # whole tokens dropped (their position stays), the kept ones scaled by 1 / (1 - p)
             keep = torch.rand(tokens.shape, device=tokens.device) >= word_dropout  # (B, T)
