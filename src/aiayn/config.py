@@ -180,7 +180,10 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
     adam_eps: float = 1e-9
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # an L2 term in Adam's gradient, or see decoupled_weight_decay
+    # with weight_decay > 0: AdamW's decay (Loshchilov & Hutter 2019; not in the paper) on the
+    # matrices and embeddings only, lr x weight_decay a step apart from the gradient
+    decoupled_weight_decay: bool = False
     accum_steps: int = 1  # batches whose gradients are summed into one update
     clip_norm: float = 0.0  # 0: no gradient clipping
     max_steps: int = 100_000  # updates; base trained 100K, big 300K (§5.2)
@@ -214,6 +217,8 @@ class TrainConfig:
         _choice(self, "lr_schedule", LR_SCHEDULES)
         if self.bf16_weights and not self.bf16:
             raise ValueError("TrainConfig.bf16_weights=True needs bf16=True")
+        if self.decoupled_weight_decay and self.weight_decay == 0:
+            raise ValueError("TrainConfig.decoupled_weight_decay=True needs weight_decay > 0")
         _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2", "ema_decay",
                      "late_dropout_start")
 

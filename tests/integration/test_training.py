@@ -239,6 +239,33 @@ def test_fused_adam_makes_the_per_parameter_loops_update() -> None:
     assert sorted(ours.state_dict()["state"][0]) == sorted(theirs.state_dict()["state"][0])
 
 
+def test_decoupled_weight_decay_shrinks_only_the_matrices_apart_from_the_gradient() -> None:
+    """With ``decoupled_weight_decay`` (AdamW), a step with zero gradients still shrinks every
+    matrix and embedding by exactly lr x weight_decay and leaves biases and LayerNorm gains
+    alone; Adam's coupled L2 term instead moves every parameter through the gradient."""
+    model = Transformer(ModelConfig(N=1, d_model=32, d_ff=64, h=2, d_k=16, d_v=16,
+                                    vocab_size=50, max_len=16))
+    lr, wd = 1e-2, 0.5
+    for decoupled in (True, False):
+        net = copy.deepcopy(model)
+        opt = build_optimizer(net, TrainConfig(weight_decay=wd, decoupled_weight_decay=decoupled))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for (name, before), after in zip(model.named_parameters(), net.parameters()):
+            if decoupled and before.ndim >= 2:
+                torch.testing.assert_close(after, before * (1 - lr * wd), msg=name)
+            elif decoupled:
+                assert torch.equal(after, before), name
+            else:  # the L2 term is the whole gradient: Adam moves each weight by ~lr
+                moved = (after - before)[before != 0].abs()
+                torch.testing.assert_close(moved, torch.full_like(moved, lr), msg=name)
+    with pytest.raises(ValueError, match="weight_decay > 0"):
+        TrainConfig(decoupled_weight_decay=True)
+
+
 @pytest.mark.parametrize("preset", [None, "64"])
 def test_importing_aiayn_widens_the_onednn_cache_unless_the_user_set_it(preset) -> None:
     """A fresh process: ``import aiayn`` (before torch, as the CLI does) leaves oneDNN's cache
@@ -310,7 +337,8 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
 
 
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:
-    cfg = task_config(tmp_path, max_steps=30, ema_decay=0.9)  # the EMA must resume too
+    cfg = task_config(tmp_path, max_steps=30, ema_decay=0.9,  # the EMA must resume too,
+                      weight_decay=0.01, decoupled_weight_decay=True)  # and AdamW's two groups
     cfg = cfg.replace(model=replace(cfg.model, P_drop=0.2))  # dropout: RNG state must resume
     # and BPE-dropout's segmentation of the epoch the run stopped in
     cfg = cfg.replace(data=replace(cfg.data, bpe_dropout=0.2))

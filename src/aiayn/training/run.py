@@ -188,7 +188,12 @@ def run_training(
         if config.train.late_dropout_start > 0:
             log(f"aiayn train: late dropout: no dropout until "
                 f"{config.train.late_dropout_start:.0%} of the budget is spent, then P_drop "
-                f"{config.model.P_drop}, attention dropout {config.model.attention_dropout}")
+                f"{config.model.P_drop}, attention dropout {config.model.attention_dropout}, "
+                f"word dropout {config.model.word_dropout}")
+        if config.train.weight_decay > 0:
+            kind = ("decoupled (AdamW), on the matrices and embeddings"
+                    if config.train.decoupled_weight_decay else "an L2 term in Adam's gradient")
+            log(f"aiayn train: weight decay {config.train.weight_decay}, {kind}")
         if resume_from is not None:
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step})")
     try:
