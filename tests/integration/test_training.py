@@ -359,6 +359,16 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None
     assert full[30] < full[1] * 0.8
 
 
+def test_resume_refuses_a_changed_weight_decay_kind_with_a_clear_error(tmp_path: Path) -> None:
+    """AdamW's two parameter groups cannot take the one group of a run written without them:
+    a UserError that names the setting, not torch's own ValueError."""
+    cfg = task_config(tmp_path, max_steps=4, weight_decay=0.01)
+    run_training(cfg, tmp_path / "run", progress=False, log=quiet)
+    with pytest.raises(UserError, match="decoupled_weight_decay"):
+        run_training(None, tmp_path / "run", resume=True, progress=False, log=quiet,
+                     overrides=["train.max_steps=6", "train.decoupled_weight_decay=true"])
+
+
 def test_ema_is_the_moving_average_of_every_update(tmp_path: Path) -> None:
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary

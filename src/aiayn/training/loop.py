@@ -332,6 +332,11 @@ class Trainer:
             raise UserError(f"{checkpoint} was written by a run of {st.get('world_size')} "
                             f"processes; resume it with the same number (now "
                             f"{self.dist.world_size})")
+        saved, ours = len(st["optimizer"]["param_groups"]), len(self.optimizer.param_groups)
+        if saved != ours:
+            raise UserError(f"{checkpoint}: its optimizer state has {saved} parameter group(s), "
+                            f"this run's optimizer {ours}; resume with "
+                            "train.decoupled_weight_decay as it was when it was written")
         self.optimizer.load_state_dict(st["optimizer"])
         self._sync_compute_weights()
         if self.ema is not None:  # a run that turns the EMA on when resumed starts it here
