@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from damage import swap_two_tokens  # tests/ is on sys.path
 from safetensors.torch import load_file
 
-from aiayn.checkpoint import list_checkpoints, load_checkpoint, resolve_checkpoint
+from aiayn.checkpoint import (list_checkpoints, load_checkpoint, load_training_state,
+                              resolve_checkpoint)
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
 from aiayn.decoding import translate_lines
 from aiayn.devices import ONEDNN_CACHE_CAPACITY
@@ -359,14 +360,22 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None
     assert full[30] < full[1] * 0.8
 
 
-def test_resume_refuses_a_changed_weight_decay_kind_with_a_clear_error(tmp_path: Path) -> None:
-    """AdamW's two parameter groups cannot take the one group of a run written without them:
-    a UserError that names the setting, not torch's own ValueError."""
+def test_resume_takes_the_optimizer_settings_of_its_config(tmp_path: Path) -> None:
+    """A resumed run's weight decay, betas and epsilon are its config's (an override on resume
+    included), not the ones torch's load_state_dict restores from the checkpoint. AdamW's two
+    parameter groups cannot take the one group of a run written without them: a UserError
+    that names the setting, not torch's own ValueError."""
     cfg = task_config(tmp_path, max_steps=4, weight_decay=0.01)
     run_training(cfg, tmp_path / "run", progress=False, log=quiet)
+    run_training(None, tmp_path / "run", resume=True, progress=False, log=quiet,
+                 overrides=["train.max_steps=6", "train.weight_decay=0.02",
+                            "train.adam_beta2=0.99"])
+    (group,) = load_training_state(tmp_path / "run/checkpoints/step-00000006")["optimizer"][
+        "param_groups"]
+    assert (group["weight_decay"], group["betas"]) == (0.02, (cfg.train.adam_beta1, 0.99))
     with pytest.raises(UserError, match="decoupled_weight_decay"):
         run_training(None, tmp_path / "run", resume=True, progress=False, log=quiet,
-                     overrides=["train.max_steps=6", "train.decoupled_weight_decay=true"])
+                     overrides=["train.max_steps=8", "train.decoupled_weight_decay=true"])
 
 
 def test_ema_is_the_moving_average_of_every_update(tmp_path: Path) -> None:

@@ -131,7 +131,7 @@ def build_optimizer(model: nn.Module, tc: Any) -> torch.optim.Optimizer:
     params = list(model.parameters())
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
     groups: list[Any] = params
-    decoupled = tc.weight_decay > 0 and tc.decoupled_weight_decay
+    decoupled = tc.decoupled_weight_decay  # TrainConfig refuses it with weight_decay 0
     if decoupled:
         groups = [{"params": [p for p in params if p.ndim >= 2]},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
@@ -337,7 +337,13 @@ class Trainer:
             raise UserError(f"{checkpoint}: its optimizer state has {saved} parameter group(s), "
                             f"this run's optimizer {ours}; resume with "
                             "train.decoupled_weight_decay as it was when it was written")
+        # torch restores the saved hyperparameters with the moments; this run's config (its
+        # --set overrides on resume included) decides them instead. lr is set at every step.
+        hyper = [{k: v for k, v in group.items() if k not in ("params", "lr")}
+                 for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(st["optimizer"])
+        for group, ours in zip(self.optimizer.param_groups, hyper):
+            group.update(ours)
         self._sync_compute_weights()
         if self.ema is not None:  # a run that turns the EMA on when resumed starts it here
             if "ema" in st:
