@@ -127,6 +127,16 @@ def build_optimizer(model: nn.Module, tc: Any) -> torch.optim.Optimizer:
     Hutter 2019; not in the paper): each step shrinks the weights by lr x weight_decay apart
     from the gradient, and only the matrices and embeddings (parameters of 2 or more
     dimensions), not biases or LayerNorm gains. That optimizer has two parameter groups.
+
+    Args:
+        model: the model whose parameters are optimized (all of them, in ``parameters()``
+            order, so that a saved ``state_dict`` loads into a rebuilt optimizer).
+        tc: the run's :class:`~aiayn.config.TrainConfig` (``adam_beta1``, ``adam_beta2``,
+            ``adam_eps``, ``weight_decay``, ``decoupled_weight_decay``).
+
+    Returns:
+        a ``torch.optim.Adam`` with lr 0 (the schedule sets it before the first step). It
+        raises nothing of its own: ``TrainConfig`` checked these values when it was built.
     """
     params = list(model.parameters())
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
