@@ -352,8 +352,8 @@ class Trainer:
         hyper = [{k: v for k, v in group.items() if k not in ("params", "lr")}
                  for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(st["optimizer"])
-        for group, ours in zip(self.optimizer.param_groups, hyper):
-            group.update(ours)
+        for group, settings in zip(self.optimizer.param_groups, hyper):
+            group.update(settings)
         self._sync_compute_weights()
         if self.ema is not None:  # a run that turns the EMA on when resumed starts it here
             if "ema" in st:
