@@ -201,6 +201,10 @@ class TrainConfig:
     # > 0: late dropout (Liu et al. 2023, not in the paper): the model's dropout stays off until
     # this fraction of the budget (as the lr schedule measures it: max_steps or time_budget_s)
     late_dropout_start: float = 0.0
+    # > 0: R-Drop (Liang et al. 2021, not in the paper): each batch goes through the model twice
+    # with different dropout masks, and the loss adds this weight times the two output
+    # distributions' symmetric KL divergence (aiayn.training.loss.rdrop_loss)
+    rdrop_alpha: float = 0.0
     eval_every_steps: int = 1000
     eval_bleu_sentences: int = 500  # validation sentences decoded greedily for BLEU; 0: none
     early_stopping_patience: int = 0  # evaluations without a better BLEU before stopping; 0: off
@@ -213,7 +217,7 @@ class TrainConfig:
         _positive(self, "keep_last", "eval_every_steps", "max_nonfinite", "log_every_steps")
         _non_negative(self, "clip_norm", "time_budget_s", "checkpoint_every_steps")
         _non_negative(self, "checkpoint_every_s", "eval_bleu_sentences", "weight_decay")
-        _non_negative(self, "early_stopping_patience", "peak_lr")
+        _non_negative(self, "early_stopping_patience", "peak_lr", "rdrop_alpha")
         _choice(self, "lr_schedule", LR_SCHEDULES)
         if self.bf16_weights and not self.bf16:
             raise ValueError("TrainConfig.bf16_weights=True needs bf16=True")

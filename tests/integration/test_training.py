@@ -29,7 +29,8 @@ from aiayn.devices import ONEDNN_CACHE_CAPACITY
 from aiayn.errors import DataError, UserError
 from aiayn.model import Transformer
 from aiayn.training.average import average_checkpoints
-from aiayn.training.loss import label_smoothed_loss, projected_label_smoothed_loss
+from aiayn.training.loss import (label_smoothed_loss, projected_label_smoothed_loss,
+                                 rdrop_loss)
 from aiayn.training.loop import StopTraining, build_optimizer
 from aiayn.training.run import run_training
 from aiayn.training.schedule import learning_rate
@@ -188,6 +189,49 @@ def test_projected_loss_under_autocast_is_the_bf16_linear_loss() -> None:
     for got, want in zip(ours, expected):
         assert got.dtype == torch.float32
         assert torch.allclose(got, want, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_rdrop_loss_is_the_two_passes_mean_loss_plus_alpha_times_their_symmetric_kl(
+        eps: float) -> None:
+    # against F.cross_entropy and F.kl_div on the two halves, values and gradients, with
+    # padding and a -inf bias (output_vocab = "target") in play
+    torch.manual_seed(6)
+    n, alpha, scale = 24, 3.0, 0.25
+    hidden = torch.randn(2 * n, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(20, 6, dtype=torch.float64, requires_grad=True)
+    kept = torch.tensor([1, 2, 4, 7, 9, 12, 15, 18])
+    bias = torch.full((20,), float("-inf"), dtype=torch.float64)
+    bias[kept] = torch.randn(len(kept), dtype=torch.float64)
+    target = kept[torch.randint(1, len(kept), (n,))]
+    target[::5] = 0  # padding, dropped from both passes
+    loss, nll, scored = rdrop_loss(hidden, weight, bias, target, eps, alpha, 0, scale)
+    ours = torch.autograd.grad(loss, [hidden, weight])
+    keep = target != 0
+    position = torch.full((20,), -1, dtype=torch.long)
+    position[kept] = torch.arange(len(kept))
+    gold = position[target[keep]]
+    halves = [F.linear(h[keep], weight[kept], bias[kept]) for h in hidden.split(n)]
+    ce = [F.cross_entropy(z, gold, label_smoothing=eps, reduction="sum") for z in halves]
+    lp = [z.log_softmax(-1) for z in halves]
+    kl = F.kl_div(lp[1], lp[0], log_target=True, reduction="sum") \
+        + F.kl_div(lp[0], lp[1], log_target=True, reduction="sum")  # KL(P1||P2) + KL(P2||P1)
+    ref = (ce[0] + ce[1]) / 2 + alpha / 2 * kl / 2
+    ref_nll = sum(F.cross_entropy(z, gold, reduction="sum") for z in halves) / 2
+    expected = torch.autograd.grad(scale * ref, [hidden, weight])
+    assert scored == int(keep.sum()) == 19
+    assert float(kl) > 0.1  # the two halves differ, so the KL term is in play
+    assert float(loss) == pytest.approx(float(ref), rel=1e-10)
+    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-10)
+    for got, want in zip(ours, expected):
+        assert torch.allclose(got, want, atol=1e-10)
+    # two equal passes: no KL, and exactly the ordinary loss of one of them
+    same = torch.cat([hidden[:n], hidden[:n]]).detach()
+    one, _, _ = projected_label_smoothed_loss(same[:n], weight.detach(), bias, target, eps, 0)
+    two, _, _ = rdrop_loss(same, weight.detach(), bias, target, eps, alpha, 0)
+    assert float(two) == pytest.approx(float(one), rel=1e-10)
+    with pytest.raises(ValueError, match="hidden"):
+        rdrop_loss(hidden[1:], weight, bias, target, eps, alpha, 0)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
@@ -664,3 +708,24 @@ def test_late_dropout_trains_without_dropout_until_its_start(tmp_path: Path) -> 
     assert all(late_l[s] != always_l[s] for s in range(1, 17))
     with pytest.raises(ValueError, match="late_dropout_start"):
         TrainConfig(late_dropout_start=1.0)
+
+
+def test_rdrop_adds_the_kl_of_two_dropout_masks_and_nothing_without_dropout(
+        tmp_path: Path) -> None:
+    """With dropout, R-Drop's first update at alpha 5 has a higher loss than at alpha 1e-9
+    (the same weights, batch and masks): the two passes drew different masks, and the loss
+    adds their KL. Without dropout the two passes are equal and the run is the plain one (to
+    rounding: the stacked batch is a larger product)."""
+    def losses(name: str, p_drop: float, **train: object) -> dict[int, float]:
+        cfg = task_config(tmp_path, max_steps=3, **train)
+        run_training(cfg.replace(model=replace(cfg.model, P_drop=p_drop)), tmp_path / name,
+                     progress=False, log=quiet)
+        return train_losses(tmp_path / name)
+
+    plain, equal = losses("plain", 0.0), losses("equal", 0.0, rdrop_alpha=5.0)
+    assert [equal[s] for s in (1, 2, 3)] == pytest.approx([plain[s] for s in (1, 2, 3)],
+                                                           rel=1e-4)
+    no_kl, kl = losses("no-kl", 0.3, rdrop_alpha=1e-9), losses("kl", 0.3, rdrop_alpha=5.0)
+    assert kl[1] > no_kl[1] + 1e-4
+    with pytest.raises(ValueError, match="rdrop_alpha"):
+        TrainConfig(rdrop_alpha=-1.0)

@@ -47,7 +47,7 @@ from aiayn.devices import cpu_times, keep_freed_memory, steal_percent
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
-from aiayn.training.loss import projected_label_smoothed_loss
+from aiayn.training.loss import projected_label_smoothed_loss, rdrop_loss
 from aiayn.training.parts import (
     Checkpointer,
     MetricsSink,
@@ -393,12 +393,26 @@ class Trainer:
         backward gives the gradient of ``grad_scale * loss_sum``."""
         keep = batch.tgt_out != self.vocab.pad_id  # (B, T)
         core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        if self.tc.rdrop_alpha > 0 and model.training:
+            return self._rdrop_batch_loss(model, core, batch, keep, grad_scale)
         with self._autocast(model):
             hidden = model(batch.src, batch.tgt_in, output_mask=keep, project=False)  # (n, d)
             # the output layer and the loss in one chunked pass: no (n, V) logits in memory
             return projected_label_smoothed_loss(
                 hidden, core.tgt_embed.weight, core.final_logits_bias, batch.tgt_out[keep],
                 self.tc.epsilon_ls, self.vocab.pad_id, grad_scale)
+
+    def _rdrop_batch_loss(self, model: nn.Module, core: nn.Module, batch, keep: torch.Tensor,
+                          grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``train.rdrop_alpha`` > 0: the batch stacked on itself, so that one forward runs
+        both of R-Drop's passes with independent dropout masks (:func:`rdrop_loss`)."""
+        with self._autocast(model):
+            hidden = model(torch.cat([batch.src, batch.src]),
+                           torch.cat([batch.tgt_in, batch.tgt_in]),
+                           output_mask=torch.cat([keep, keep]), project=False)  # (2n, d)
+            return rdrop_loss(hidden, core.tgt_embed.weight, core.final_logits_bias,
+                              batch.tgt_out[keep], self.tc.epsilon_ls, self.tc.rdrop_alpha,
+                              self.vocab.pad_id, grad_scale)
 
     def _schedule_dropout(self) -> None:
         """Late dropout (``train.late_dropout_start``): the model's dropout is off until that

@@ -298,3 +298,79 @@ def _restrict_to_finite_bias(hidden: Tensor, weight: Tensor, bias: Tensor,
         hidden, target = hidden[scorable], target[scorable]
     bias = bias[kept]
     return hidden, weight.index_select(0, kept), (bias if bool(bias.any()) else None), target
+
+
+def rdrop_loss(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, epsilon_ls: float,
+    alpha: float, pad_id: int, grad_scale: float = 1.0,
+) -> tuple[Tensor, Tensor, int]:
+    """R-Drop (Liang et al. 2021, "R-Drop: Regularized Dropout for Neural Networks"; not in
+    the paper): the label-smoothed loss (§5.4) of two forward passes of one batch, which differ
+    only in their dropout masks, plus ``alpha`` times the symmetric KL divergence of their
+    output distributions, for training.
+
+    Per scored position t, with P1, P2 the two passes' distributions over the output vocabulary
+    and CE the label-smoothed cross-entropy, the loss is the R-Drop paper's eq. 3 halved::
+
+        (CE(P1) + CE(P2)) / 2 + alpha / 2 * (KL(P1 || P2) + KL(P2 || P1)) / 2
+
+    so that at ``alpha = 0`` it is the mean of the two passes' ordinary losses, on the scale
+    of :func:`projected_label_smoothed_loss`. Unlike that function this one builds the (2n, V)
+    logits (the KL term needs both passes' whole distributions) and lets autograd take the
+    gradient.
+
+    Args:
+        hidden: (2n, d_model) decoder outputs: rows 0..n-1 from the first pass, rows n..2n-1
+            the same positions from the second.
+        weight: (V, d_model), the output projection (tied to the target embedding).
+        bias: (V,) or None; tokens with a -inf bias are left out, as in
+            :func:`projected_label_smoothed_loss`.
+        target: (n,) gold ids of the positions (the same for both passes); positions equal
+            to ``pad_id`` are dropped.
+        alpha: the weight of the KL term, >= 0.
+        grad_scale: ``loss_sum.backward()`` gives the gradient of ``grad_scale * loss_sum``;
+            the returned loss itself is not scaled.
+
+    Returns:
+        (loss_sum, nll_sum, n_tokens): the loss above and the two passes' mean negative
+        log-likelihood, summed over the n_tokens scored positions (float32 scalars; nll_sum
+        carries no gradient).
+
+    Raises:
+        ValueError: shapes that do not fit together, or a negative ``alpha``.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] \
+            or target.dim() != 1 or hidden.shape[0] != 2 * target.shape[0]:
+        raise ValueError(f"expected hidden (2n, d), weight (V, d), target (n,); got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
+    if alpha < 0:
+        raise ValueError(f"rdrop alpha must be >= 0, got {alpha}")
+    # masks and renumbering act on the target, which both halves share, so the halves stay
+    # row-aligned: row i of the first half and row i of the second are the same position
+    target = torch.cat([target, target])
+    mask = target != pad_id
+    if not bool(mask.all()):
+        hidden, target = hidden[mask], target[mask]
+    if bias is not None and not bool(torch.isfinite(bias).all()):
+        hidden, weight, bias, target = _restrict_to_finite_bias(hidden, weight, bias, target)
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    elif weight.dtype != hidden.dtype:
+        weight = weight.to(hidden.dtype)
+        bias = None if bias is None else bias.to(hidden.dtype)
+    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logp = F.linear(hidden, weight, bias).to(wide).log_softmax(dim=-1)  # (2n', V)
+    nll = -logp.gather(1, target.unsqueeze(1)).sum()
+    ce = (1.0 - epsilon_ls) * nll - epsilon_ls * logp.mean(dim=-1).sum() if epsilon_ls > 0 \
+        else nll
+    lp1, lp2 = logp.chunk(2)
+    # sum over v of (P1 - P2)(log P1 - log P2) = KL(P1 || P2) + KL(P2 || P1)
+    sym_kl = ((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum()
+    loss = 0.5 * ce + 0.25 * alpha * sym_kl
+    if grad_scale != 1.0:  # the value of loss, the gradient of grad_scale * loss
+        scaled = grad_scale * loss
+        loss = scaled + (loss - scaled).detach()
+    return loss, 0.5 * nll.detach(), int(target.numel()) // 2

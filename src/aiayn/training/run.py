@@ -190,6 +190,9 @@ def run_training(
                 f"{config.train.late_dropout_start:.0%} of the budget is spent, then P_drop "
                 f"{config.model.P_drop}, attention dropout {config.model.attention_dropout}, "
                 f"word dropout {config.model.word_dropout}")
+        if config.train.rdrop_alpha > 0:
+            log(f"aiayn train: R-Drop: every batch runs through the model twice, the loss adds "
+                f"{config.train.rdrop_alpha} x the symmetric KL of the two outputs")
         if config.train.weight_decay > 0:
             kind = ("decoupled (AdamW), on the matrices and embeddings"
                     if config.train.decoupled_weight_decay else "an L2 term in Adam's gradient")
