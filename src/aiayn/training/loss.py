@@ -265,6 +265,17 @@ def projected_label_smoothed_loss(
             or target.shape != hidden.shape[:1]:
         raise ValueError(f"expected hidden (n, d), weight (V, d), target (n,); got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
+    hidden, weight, bias, target = _scored_positions(hidden, weight, bias, target, pad_id)
+    loss_sum, nll_sum = _ProjectedSmoothedCrossEntropy.apply(hidden, weight, bias, target,
+                                                             epsilon_ls, grad_scale)
+    return loss_sum, nll_sum, int(target.numel())
+
+
+def _scored_positions(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                      pad_id: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The output layer's inputs for the positions that can be scored: padding dropped, the
+    vocabulary restricted to the tokens of finite bias (:func:`_restrict_to_finite_bias`),
+    and hidden, weight and bias in one dtype (the autocast dtype under autocast)."""
     mask = target != pad_id
     if not bool(mask.all()):
         hidden, target = hidden[mask], target[mask]
@@ -278,9 +289,7 @@ def projected_label_smoothed_loss(
     elif weight.dtype != hidden.dtype:
         weight = weight.to(hidden.dtype)
         bias = None if bias is None else bias.to(hidden.dtype)
-    loss_sum, nll_sum = _ProjectedSmoothedCrossEntropy.apply(hidden, weight, bias, target,
-                                                             epsilon_ls, grad_scale)
-    return loss_sum, nll_sum, int(target.numel())
+    return hidden, weight, bias, target
 
 
 def _restrict_to_finite_bias(hidden: Tensor, weight: Tensor, bias: Tensor,
@@ -348,19 +357,7 @@ def rdrop_loss(
     # masks and renumbering act on the target, which both halves share, so the halves stay
     # row-aligned: row i of the first half and row i of the second are the same position
     target = torch.cat([target, target])
-    mask = target != pad_id
-    if not bool(mask.all()):
-        hidden, target = hidden[mask], target[mask]
-    if bias is not None and not bool(torch.isfinite(bias).all()):
-        hidden, weight, bias, target = _restrict_to_finite_bias(hidden, weight, bias, target)
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    elif weight.dtype != hidden.dtype:
-        weight = weight.to(hidden.dtype)
-        bias = None if bias is None else bias.to(hidden.dtype)
+    hidden, weight, bias, target = _scored_positions(hidden, weight, bias, target, pad_id)
     wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logp = F.linear(hidden, weight, bias).to(wide).log_softmax(dim=-1)  # (2n', V)
     nll = -logp.gather(1, target.unsqueeze(1)).sum()
