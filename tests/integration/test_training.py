@@ -695,15 +695,21 @@ def test_each_process_frees_ddp_before_destroying_its_process_group(tmp_path: Pa
 
 def test_late_dropout_trains_without_dropout_until_its_start(tmp_path: Path) -> None:
     """late_dropout_start = 0.5 of max_steps = 16: updates 1-8 are those of a run without
-    dropout (bit for bit: the masks draw nothing from the RNG while off), 9-16 are not."""
+    dropout (bit for bit: the masks draw nothing from the RNG while off, and R-Drop runs one
+    pass), 9-16 are not."""
     cfg = task_config(tmp_path, max_steps=16)
     model = replace(cfg.model, P_drop=0.3, attention_dropout=0.2)
     late = cfg.replace(model=model, train=replace(cfg.train, late_dropout_start=0.5))
     always = cfg.replace(model=model)
-    for name, c in (("none", cfg), ("late", late), ("always", always)):
+    # with R-Drop too: its second pass waits for the dropout (the same pass twice is waste)
+    late_rdrop = late.replace(train=replace(late.train, rdrop_alpha=5.0))
+    runs = ("none", cfg), ("late", late), ("always", always), ("late-rdrop", late_rdrop)
+    for name, c in runs:
         run_training(c, tmp_path / name, progress=False, log=quiet)
-    none, late_l, always_l = (train_losses(tmp_path / n) for n in ("none", "late", "always"))
+    none, late_l, always_l, late_r = (train_losses(tmp_path / n) for n, _ in runs)
     assert [late_l[s] for s in range(1, 9)] == [none[s] for s in range(1, 9)]
+    assert [late_r[s] for s in range(1, 9)] == [none[s] for s in range(1, 9)]
+    assert all(late_r[s] != late_l[s] for s in range(9, 17))
     assert all(late_l[s] != none[s] for s in range(9, 17))
     assert all(late_l[s] != always_l[s] for s in range(1, 17))
     with pytest.raises(ValueError, match="late_dropout_start"):

@@ -342,8 +342,8 @@ def rdrop_loss(
 
     Returns:
         (loss_sum, nll_sum, n_tokens): the loss above and the two passes' mean negative
-        log-likelihood, summed over the n_tokens scored positions (float32 scalars; nll_sum
-        carries no gradient).
+        log-likelihood, summed over the n_tokens scored positions (float32 scalars, float64
+        for float64 inputs; nll_sum carries no gradient).
 
     Raises:
         ValueError: shapes that do not fit together, or a negative ``alpha``.
