@@ -721,17 +721,26 @@ def test_rdrop_adds_the_kl_of_two_dropout_masks_and_nothing_without_dropout(
     """With dropout, R-Drop's first update at alpha 5 has a higher loss than at alpha 1e-9
     (the same weights, batch and masks): the two passes drew different masks, and the loss
     adds their KL. Without dropout the two passes are equal and the run is the plain one (to
-    rounding: the stacked batch is a larger product)."""
+    rounding: the stacked batch is a larger product), and the log warns that R-Drop is then
+    wasted work."""
+    logged: dict[str, list[str]] = {}
+
     def losses(name: str, p_drop: float, **train: object) -> dict[int, float]:
         cfg = task_config(tmp_path, max_steps=3, **train)
+        logged[name] = []
         run_training(cfg.replace(model=replace(cfg.model, P_drop=p_drop)), tmp_path / name,
-                     progress=False, log=quiet)
+                     progress=False, log=logged[name].append)
         return train_losses(tmp_path / name)
+
+    def warned(name: str) -> bool:
+        return any("R-Drop's two passes are the same pass" in line for line in logged[name])
 
     plain, equal = losses("plain", 0.0), losses("equal", 0.0, rdrop_alpha=5.0)
     assert [equal[s] for s in (1, 2, 3)] == pytest.approx([plain[s] for s in (1, 2, 3)],
                                                            rel=1e-4)
+    assert warned("equal") and not warned("plain")
     no_kl, kl = losses("no-kl", 0.3, rdrop_alpha=1e-9), losses("kl", 0.3, rdrop_alpha=5.0)
     assert kl[1] > no_kl[1] + 1e-4
+    assert not warned("kl")
     with pytest.raises(ValueError, match="rdrop_alpha"):
         TrainConfig(rdrop_alpha=-1.0)
