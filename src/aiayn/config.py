@@ -126,6 +126,12 @@ class ModelConfig:
                              f"the target vocabulary of {self.target_vocab_size}")
 
     @property
+    def has_dropout(self) -> bool:
+        """Whether any dropout rate (``P_drop``, ``attention_dropout``, ``word_dropout``) is
+        above 0, i.e. whether training draws any dropout mask at all."""
+        return self.P_drop > 0 or self.attention_dropout > 0 or self.word_dropout > 0
+
+    @property
     def target_vocab_size(self) -> int:
         return self.vocab_size if self.tgt_vocab_size is None else self.tgt_vocab_size
 

@@ -445,6 +445,13 @@ class Transformer(nn.Module):
             if isinstance(module, Dropout):
                 module.active = active
 
+    @property
+    def draws_dropout(self) -> bool:
+        """Whether a forward pass now draws dropout masks: training mode, dropout switched on
+        (:meth:`set_dropout_active`) and some rate above 0 (``ModelConfig.has_dropout``). Two
+        forward passes of one batch differ only then (R-Drop, ``train.rdrop_alpha``)."""
+        return self.training and self.embed_dropout.active and self.config.has_dropout
+
     def _embed(self, embedding: nn.Embedding, tokens: Tensor, offset: int = 0,
                word_dropout: float = 0.0) -> Tensor:
         # §3.4: embedding weights multiplied by sqrt(d_model); §3.5: positions added;

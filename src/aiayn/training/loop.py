@@ -393,9 +393,9 @@ class Trainer:
         backward gives the gradient of ``grad_scale * loss_sum``."""
         keep = batch.tgt_out != self.vocab.pad_id  # (B, T)
         core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        # R-Drop's second pass only while dropout is on (late dropout turns it off): two
-        # passes without dropout are the same pass, and their KL is zero
-        if self.tc.rdrop_alpha > 0 and model.training and self._dropout_active is not False:
+        # R-Drop's second pass only while dropout masks are drawn (not in eval mode, not before
+        # late dropout's start, not with every rate 0): else the two passes are one pass
+        if self.tc.rdrop_alpha > 0 and core.draws_dropout:
             return self._rdrop_batch_loss(model, core, batch, keep, grad_scale)
         with self._autocast(model):
             hidden = model(batch.src, batch.tgt_in, output_mask=keep, project=False)  # (n, d)

@@ -336,7 +336,9 @@ def rdrop_loss(
             :func:`projected_label_smoothed_loss`.
         target: (n,) gold ids of the positions (the same for both passes); positions equal
             to ``pad_id`` are dropped.
+        epsilon_ls: label smoothing (§5.4), in [0, 1).
         alpha: the weight of the KL term, >= 0.
+        pad_id: the padding id in ``target``.
         grad_scale: ``loss_sum.backward()`` gives the gradient of ``grad_scale * loss_sum``;
             the returned loss itself is not scaled.
 
@@ -361,8 +363,7 @@ def rdrop_loss(
     wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     logp = F.linear(hidden, weight, bias).to(wide).log_softmax(dim=-1)  # (2n', V)
     nll = -logp.gather(1, target.unsqueeze(1)).sum()
-    ce = (1.0 - epsilon_ls) * nll - epsilon_ls * logp.mean(dim=-1).sum() if epsilon_ls > 0 \
-        else nll
+    ce = _combine(nll, -logp.mean(dim=-1).sum(), epsilon_ls)  # (1 - eps) nll + eps uniform
     lp1, lp2 = logp.chunk(2)
     # sum over v of (P1 - P2)(log P1 - log P2) = KL(P1 || P2) + KL(P2 || P1)
     sym_kl = ((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum()

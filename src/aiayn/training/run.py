@@ -193,11 +193,10 @@ def run_training(
         if config.train.rdrop_alpha > 0:
             log(f"aiayn train: R-Drop: every batch runs through the model twice, the loss adds "
                 f"{config.train.rdrop_alpha} x the symmetric KL of the two outputs")
-            m = config.model
-            if m.P_drop == 0 and m.attention_dropout == 0 and m.word_dropout == 0:
-                log("aiayn train: warning: every dropout rate is 0, so R-Drop's two passes are "
-                    "the same pass: the KL term is 0 and each update costs twice as much for "
-                    "nothing (set model.P_drop > 0 or train.rdrop_alpha = 0)")
+            if not config.model.has_dropout:
+                log("aiayn train: warning: every dropout rate is 0, so R-Drop's two passes "
+                    "would be the same pass: training runs one pass, and R-Drop does nothing "
+                    "(set model.P_drop > 0 for it, or train.rdrop_alpha = 0)")
         if config.train.weight_decay > 0:
             kind = ("decoupled (AdamW), on the matrices and embeddings"
                     if config.train.decoupled_weight_decay else "an L2 term in Adam's gradient")
