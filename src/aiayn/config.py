@@ -211,6 +211,9 @@ class TrainConfig:
     # with different dropout masks, and the loss adds this weight times the two output
     # distributions' symmetric KL divergence (aiayn.training.loss.rdrop_loss)
     rdrop_alpha: float = 0.0
+    # with rdrop_alpha > 0: R-Drop waits until this fraction of the budget (as the lr schedule
+    # measures it) is spent; before it, each batch runs once, as without R-Drop
+    rdrop_start: float = 0.0
     eval_every_steps: int = 1000
     eval_bleu_sentences: int = 500  # validation sentences decoded greedily for BLEU; 0: none
     early_stopping_patience: int = 0  # evaluations without a better BLEU before stopping; 0: off
@@ -227,10 +230,13 @@ class TrainConfig:
         _choice(self, "lr_schedule", LR_SCHEDULES)
         if self.bf16_weights and not self.bf16:
             raise ValueError("TrainConfig.bf16_weights=True needs bf16=True")
+        if self.rdrop_start > 0 and self.rdrop_alpha == 0:
+            raise ValueError("TrainConfig.rdrop_start > 0 needs rdrop_alpha > 0 (R-Drop's "
+                             f"weight), got rdrop_start={self.rdrop_start}, rdrop_alpha=0")
         if self.decoupled_weight_decay and self.weight_decay == 0:
             raise ValueError("TrainConfig.decoupled_weight_decay=True needs weight_decay > 0")
         _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2", "ema_decay",
-                     "late_dropout_start")
+                     "late_dropout_start", "rdrop_start")
 
 
 @dataclass(frozen=True)

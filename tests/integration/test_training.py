@@ -716,6 +716,24 @@ def test_late_dropout_trains_without_dropout_until_its_start(tmp_path: Path) -> 
         TrainConfig(late_dropout_start=1.0)
 
 
+def test_late_rdrop_runs_one_pass_until_its_start(tmp_path: Path) -> None:
+    """rdrop_start = 0.5 of max_steps = 16: updates 1-8 are those of the plain run with the
+    same dropout (bit for bit: one pass a batch, the same masks), 9-16 add R-Drop's second
+    pass and differ from it; a start without R-Drop's weight is refused."""
+    cfg = task_config(tmp_path, max_steps=16)
+    cfg = cfg.replace(model=replace(cfg.model, P_drop=0.3))
+    late = cfg.replace(train=replace(cfg.train, rdrop_alpha=5.0, rdrop_start=0.5))
+    for name, c in ("plain", cfg), ("late", late):
+        run_training(c, tmp_path / name, progress=False, log=quiet)
+    plain, late_l = train_losses(tmp_path / "plain"), train_losses(tmp_path / "late")
+    assert [late_l[s] for s in range(1, 9)] == [plain[s] for s in range(1, 9)]
+    assert all(late_l[s] != plain[s] for s in range(9, 17))
+    with pytest.raises(ValueError, match="rdrop_start"):
+        TrainConfig(rdrop_start=0.5)
+    with pytest.raises(ValueError, match="rdrop_start"):
+        TrainConfig(rdrop_alpha=5.0, rdrop_start=1.0)
+
+
 def test_rdrop_adds_the_kl_of_two_dropout_masks_and_nothing_without_dropout(
         tmp_path: Path) -> None:
     """With dropout, R-Drop's first update at alpha 5 has a higher loss than at alpha 1e-9

@@ -191,8 +191,10 @@ def run_training(
                 f"{config.model.P_drop}, attention dropout {config.model.attention_dropout}, "
                 f"word dropout {config.model.word_dropout}")
         if config.train.rdrop_alpha > 0:
-            log(f"aiayn train: R-Drop: every batch runs through the model twice, the loss adds "
-                f"{config.train.rdrop_alpha} x the symmetric KL of the two outputs")
+            start = config.train.rdrop_start
+            when = (f"once {start:.0%} of the budget is spent, " if start > 0 else "")
+            log(f"aiayn train: R-Drop: {when}every batch runs through the model twice, the loss "
+                f"adds {config.train.rdrop_alpha} x the symmetric KL of the two outputs")
             if not config.model.has_dropout:
                 log("aiayn train: warning: every dropout rate is 0, so R-Drop's two passes "
                     "would be the same pass: training runs one pass, and R-Drop does nothing "
