@@ -102,8 +102,9 @@ def test_chunked_loss_and_gradient_scale_match_torch(eps: float) -> None:
     ref_nll = F.cross_entropy(logits, target, reduction="sum")
     (0.25 * ref).backward()
     assert n == 200
-    assert float(loss) == pytest.approx(float(ref), rel=1e-10)  # the loss itself is unscaled
-    assert float(nll) == pytest.approx(float(ref_nll), rel=1e-10)
+    # the loss itself is unscaled
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-10)
+    assert nll.item() == pytest.approx(ref_nll.item(), rel=1e-10)
     assert torch.allclose(ours, logits.grad, atol=1e-14)
     # a scaled backward on top multiplies again; without a gradient nothing is kept
     logits.grad = None
@@ -112,7 +113,7 @@ def test_chunked_loss_and_gradient_scale_match_torch(eps: float) -> None:
     assert torch.allclose(logits.grad, 4.0 * ours, atol=1e-13)
     with torch.no_grad():
         plain, _, _ = label_smoothed_loss(logits, target, eps, pad_id=0)
-    assert float(plain) == pytest.approx(float(ref), rel=1e-10)
+    assert plain.item() == pytest.approx(ref.item(), rel=1e-10)
 
 
 def test_loss_of_no_tokens_is_zero() -> None:

@@ -191,11 +191,15 @@ def test_projected_loss_under_autocast_is_the_bf16_linear_loss() -> None:
         assert torch.allclose(got, want, rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("chunk_elements", [None, 5 * 8])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_rdrop_loss_is_the_two_passes_mean_loss_plus_alpha_times_their_symmetric_kl(
-        eps: float) -> None:
+        eps: float, chunk_elements: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     # against F.cross_entropy and F.kl_div on the two halves, values and gradients, with
-    # padding and a -inf bias (output_vocab = "target") in play
+    # padding and a -inf bias (output_vocab = "target") in play; in one chunk, and in chunks
+    # of 2 positions (5 rows of the 8 kept tokens, halved for the two passes)
+    if chunk_elements is not None:
+        monkeypatch.setattr("aiayn.training.loss._CHUNK_ELEMENTS", chunk_elements)
     torch.manual_seed(6)
     n, alpha, scale = 24, 3.0, 0.25
     hidden = torch.randn(2 * n, 6, dtype=torch.float64, requires_grad=True)

@@ -324,9 +324,10 @@ def rdrop_loss(
         (CE(P1) + CE(P2)) / 2 + alpha / 2 * (KL(P1 || P2) + KL(P2 || P1)) / 2
 
     so that at ``alpha = 0`` it is the mean of the two passes' ordinary losses, on the scale
-    of :func:`projected_label_smoothed_loss`. Unlike that function this one builds the (2n, V)
-    logits (the KL term needs both passes' whole distributions) and lets autograd take the
-    gradient.
+    of :func:`projected_label_smoothed_loss`. Like that function it runs the output layer
+    chunk by chunk of positions, both passes' rows of a chunk together (the KL term needs both
+    whole distributions), and computes the gradient in closed form in the forward, so no
+    (2n, V) logits are kept for autograd.
 
     Args:
         hidden: (2n, d_model) decoder outputs: rows 0..n-1 from the first pass, rows n..2n-1
@@ -360,15 +361,94 @@ def rdrop_loss(
     # row-aligned: row i of the first half and row i of the second are the same position
     target = torch.cat([target, target])
     hidden, weight, bias, target = _scored_positions(hidden, weight, bias, target, pad_id)
-    wide = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    logp = F.linear(hidden, weight, bias).to(wide).log_softmax(dim=-1)  # (2n', V)
-    nll = -logp.gather(1, target.unsqueeze(1)).sum()
-    ce = _combine(nll, -logp.mean(dim=-1).sum(), epsilon_ls)  # (1 - eps) nll + eps uniform
-    lp1, lp2 = logp.chunk(2)
-    # sum over v of (P1 - P2)(log P1 - log P2) = KL(P1 || P2) + KL(P2 || P1)
-    sym_kl = ((lp1.exp() - lp2.exp()) * (lp1 - lp2)).sum()
-    loss = 0.5 * ce + 0.25 * alpha * sym_kl
-    if grad_scale != 1.0:  # the value of loss, the gradient of grad_scale * loss
-        scaled = grad_scale * loss
-        loss = scaled + (loss - scaled).detach()
-    return loss, 0.5 * nll.detach(), int(target.numel()) // 2
+    loss, nll = _ProjectedRDrop.apply(hidden, weight, bias, target[: target.numel() // 2],
+                                      epsilon_ls, alpha, grad_scale)
+    return loss, nll, int(target.numel()) // 2
+
+
+def _rdrop_chunk(z1: Tensor, z2: Tensor, gold: Tensor, epsilon_ls: float, alpha: float,
+                 grad_scale: float, out1: Tensor | None,
+                 out2: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """R-Drop's terms for one chunk of r positions, from the two passes' (r, V) logits ``z1``
+    and ``z2`` already in the accumulation dtype: the summed nll and uniform term of both
+    passes, and their summed symmetric KL. With ``out1`` / ``out2`` (r, V) given, the gradient
+    of ``grad_scale`` times :func:`rdrop_loss`'s loss with respect to each pass's logits is
+    written there, in closed form: with d = log P1 - log P2 and s1 = sum_v P1 d,
+
+        d/dz1 [KL(P1 || P2) + KL(P2 || P1)] = P1 (d - s1) + P1 - P2
+
+    and the mirror image for z2; the label-smoothed term gives (P - q) / 2 for each pass."""
+    vocab = z1.shape[1]
+    g = gold.unsqueeze(1)
+    lp1, lp2 = z1.log_softmax(dim=-1), z2.log_softmax(dim=-1)
+    nll = -(lp1.gather(1, g).sum() + lp2.gather(1, g).sum())
+    smooth = -(lp1.sum() + lp2.sum()) / vocab if epsilon_ls > 0 else torch.zeros_like(nll)
+    p1, p2 = lp1.exp(), lp2.exp()
+    d = lp1.sub_(lp2)  # log P1 - log P2, in place of log P1
+    diff = p1 - p2
+    sym_kl = (diff * d).sum()
+    if out1 is None or out2 is None:
+        return nll, smooth, sym_kl
+    c = 0.25 * alpha
+    for p, sign, out in ((p1, 1.0, out1), (p2, -1.0, out2)):
+        s = (p * d).sum(dim=1, keepdim=True) * sign  # (r, 1)
+        # c (p (sign d - s) + sign (P1 - P2)) + (p - q) / 2, scaled
+        grad = torch.addcmul(p * (0.5 - c * s), p, d, value=c * sign)
+        grad.add_(diff, alpha=c * sign)
+        if epsilon_ls > 0:
+            grad.sub_(0.5 * epsilon_ls / vocab)
+        grad.scatter_add_(1, g, torch.full(g.shape, 0.5 * (epsilon_ls - 1.0), dtype=grad.dtype,
+                                           device=grad.device))
+        out.copy_(grad.mul_(grad_scale) if grad_scale != 1.0 else grad)
+    return nll, smooth, sym_kl
+
+
+class _ProjectedRDrop(torch.autograd.Function):
+    """The output layer and R-Drop's loss (:func:`rdrop_loss`) in one pass over chunks of
+    positions, as :class:`_ProjectedSmoothedCrossEntropy` does for the plain loss: each chunk's
+    logits of both passes are made in cache, its loss terms and closed-form gradient taken
+    from them (:func:`_rdrop_chunk`), and two matrix products after the loop give the
+    gradients of x and W, so no (2n, V) tensor is kept for autograd."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, gold: Tensor,
+                epsilon_ls: float, alpha: float, grad_scale: float) -> tuple[Tensor, Tensor]:
+        acc = torch.promote_types(x.dtype, torch.float32)
+        n, vocab = gold.shape[0], weight.shape[0]
+        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or (
+            bias is not None and ctx.needs_input_grad[2])
+        grad = _workspace(2 * n * vocab, x.dtype, x.device)[: 2 * n * vocab].view(2 * n, vocab) \
+            if want_grad else None
+        w_t = weight.t()
+        rows = max(1, min(n, _chunk_rows(vocab) // 2))
+        nll_sum = torch.zeros((), dtype=acc, device=x.device)
+        smooth_sum, kl_sum = torch.zeros_like(nll_sum), torch.zeros_like(nll_sum)
+        with torch.autocast(x.device.type, enabled=False):
+            for lo in range(0, n, rows):
+                hi = min(n, lo + rows)
+                z = [torch.mm(x[a:b], w_t) if bias is None else torch.addmm(bias, x[a:b], w_t)
+                     for a, b in ((lo, hi), (n + lo, n + hi))]
+                nll, smooth, kl = _rdrop_chunk(
+                    z[0].to(acc), z[1].to(acc), gold[lo:hi], epsilon_ls, alpha, grad_scale,
+                    None if grad is None else grad[lo:hi],
+                    None if grad is None else grad[n + lo:n + hi])
+                nll_sum += nll
+                smooth_sum += smooth
+                kl_sum += kl
+            grads = (None, None, None)
+            if want_grad:
+                grads = (grad @ weight if ctx.needs_input_grad[0] else None,  # (2n, d)
+                         grad.t() @ x if ctx.needs_input_grad[1] else None,  # (V, d)
+                         grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None)
+        ctx.grads = grads
+        loss = 0.5 * _combine(nll_sum, smooth_sum, epsilon_ls) + 0.25 * alpha * kl_sum
+        nll_mean = 0.5 * nll_sum
+        ctx.mark_non_differentiable(nll_mean)
+        return loss, nll_mean
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
+        gx, gw, gb = ctx.grads
+        ctx.grads = (None, None, None)
+        return (_scaled(gx, grad_loss), _scaled(gw, grad_loss), _scaled(gb, grad_loss),
+                None, None, None, None)
