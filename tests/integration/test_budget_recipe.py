@@ -120,7 +120,7 @@ def test_loss_of_no_tokens_is_zero() -> None:
     logits = torch.randn(0, 11, requires_grad=True)
     loss, nll, n = label_smoothed_loss(logits, torch.zeros(0, dtype=torch.long), 0.1, pad_id=0)
     loss.backward()
-    assert (float(loss), float(nll), n) == (0.0, 0.0, 0) and logits.grad.shape == (0, 11)
+    assert (loss.item(), nll.item(), n) == (0.0, 0.0, 0) and logits.grad.shape == (0, 11)
 
 
 # --- bf16 compute weights ---------------------------------------------------------------------------
