@@ -34,3 +34,18 @@ def test_model_text_names_a_bad_side() -> None:
 
 def test_only_the_literature_text_is_scored_as_it_is() -> None:
     assert is_protocol_text("lc-norm-tok") and not is_protocol_text("none")
+
+
+def test_model_text_warns_of_input_tokenized_already() -> None:
+    """Text that holds Moses escapes was tokenized already: a lc-norm-tok model tokenizes it
+    again (``&apos;`` becomes ``&amp; apos ;``), so the callers that pass ``warn`` hear of it,
+    with the first such line; raw text, and a model that reads cased text, raise nothing."""
+    data = DataConfig(preprocess="lc-norm-tok", src_lang="en", tgt_lang="fr")
+    tokenized = model_text([LINE], data)[0]
+    heard: list[str] = []
+    again = model_text([LINE, tokenized, "a dog ."], data, warn=heard.append)
+    assert "&amp; apos ;" in again[1]  # what the warning is about
+    assert len(heard) == 1 and "1 of 3 input lines (line 2 first)" in heard[0]
+    model_text([LINE, "a dog & a cat ."], data, warn=heard.append)
+    model_text([tokenized], DataConfig(preprocess="none"), warn=heard.append)
+    assert len(heard) == 1

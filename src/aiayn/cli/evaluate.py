@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--src {args.src}: the file is empty, nothing to translate")
         model, config, vocab = load_model(args)
         # the model reads and writes the text it was trained on (data.preprocess)
-        lines = model_text(lines, config.data)
+        lines = model_text(lines, config.data, warn=warner("evaluate"))
         pretokenized = is_protocol_text(config.data.preprocess)
         options = decode_options(args, config)
         translations = translate_nbest(model, vocab, lines, warn=warner("evaluate"),

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.output)
     lines = read_input(args.input)
     model, config, vocab = load_model(args)
-    lines = model_text(lines, config.data)
+    lines = model_text(lines, config.data, warn=warner("translate"))
     options = decode_options(args, config, nbest=args.nbest)
     results = translate_nbest(model, vocab, lines, warn=warner("translate"),
                               progress=args.output is not None and not args.quiet, **options)

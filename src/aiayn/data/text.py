@@ -16,7 +16,8 @@ translate``, ``evaluate``, ``attention`` and ``serve`` apply it to their input t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import re
+from typing import TYPE_CHECKING, Callable
 
 from aiayn.config import PREPROCESS_MODES
 from aiayn.data.corpus import ParallelCorpus
@@ -40,16 +41,35 @@ def preprocess_lines(lines: list[str], lang: str, mode: str) -> list[str]:
     raise ValueError(f"unknown data.preprocess {mode!r}; known: {', '.join(PREPROCESS_MODES)}")
 
 
-def model_text(lines: list[str], data: "DataConfig", side: str = "src") -> list[str]:
+# the entities that MosesTokenizer(escape=True) writes: text holding them was tokenized already
+_MOSES_ESCAPES = re.compile(r"&(?:amp|apos|quot|lt|gt|#91|#93|#124);")
+
+
+def model_text(lines: list[str], data: "DataConfig", side: str = "src",
+               warn: Callable[[str], None] | None = None) -> list[str]:
     """``lines`` as a model trained under ``data`` reads them: its ``data.preprocess`` applied
     with the language of ``side`` ("src" or "tgt", e.g. a forced target). Every entry point that
     feeds raw text to a checkpoint (translate, evaluate, attention, serve) goes through here.
+
+    With ``warn`` and ``lc-norm-tok``, lines that hold Moses escapes (``&apos;``, ``&quot;``,
+    ``&amp;`` ...) are reported through it: they look tokenized already (e.g. the shipped
+    ``tok/*.lc.norm.tok.*`` files), and tokenizing them again changes them (``&apos;`` becomes
+    ``&amp; apos ;``), so the model reads text it was not trained on. They are still
+    translated; the raw text is what to pass.
 
     Raises:
         ValueError: an unknown side or mode.
     """
     if side not in ("src", "tgt"):
         raise ValueError(f"side must be 'src' or 'tgt', got {side!r}")
+    if warn is not None and data.preprocess == "lc-norm-tok":
+        escaped = [i for i, line in enumerate(lines, 1) if _MOSES_ESCAPES.search(line)]
+        if escaped:
+            warn(f"{len(escaped)} of {len(lines)} input lines (line {escaped[0]} first) hold "
+                 f"Moses escapes such as &apos; or &quot;, as already tokenized text does; "
+                 f"the model tokenizes its input itself (data.preprocess = lc-norm-tok), so "
+                 f"those lines are tokenized twice and read as text it was not trained on: "
+                 f"pass the raw text")
     return preprocess_lines(lines, data.src_lang if side == "src" else data.tgt_lang,
                             data.preprocess)
 
