@@ -104,7 +104,7 @@ def test_label_smoothed_loss_matches_torch(eps: float) -> None:
     ref_nll = F.cross_entropy(logits.reshape(-1, 11), target.reshape(-1), ignore_index=0,
                               reduction="sum")
     assert n == int((target != 0).sum()) == 9
-    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     assert float(nll) == pytest.approx(float(ref_nll), rel=1e-5)
 
 
@@ -132,7 +132,7 @@ def test_projected_loss_matches_linear_then_torch_loss(eps: float, with_bias: bo
         ref_nll = F.cross_entropy(logits, target, ignore_index=0, reduction="sum")
         expected = torch.autograd.grad(3.0 * scale * ref, inputs)
         assert n == 32
-        assert float(loss) == pytest.approx(float(ref), rel=1e-10)
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-10)
         assert float(nll) == pytest.approx(float(ref_nll.detach()), rel=1e-10)
         for got, want in zip(ours, expected):
             assert torch.allclose(got, want, atol=1e-10)
@@ -165,7 +165,7 @@ def test_projected_loss_leaves_out_the_tokens_whose_bias_is_minus_inf(eps: float
     ref_nll = F.cross_entropy(logits, position[target[scored]], reduction="sum")
     expected = torch.autograd.grad(ref, [hidden, weight])
     assert n == int(scored.sum()) == 24
-    assert float(loss) == pytest.approx(float(ref), rel=1e-10)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-10)
     assert float(nll) == pytest.approx(float(ref_nll.detach()), rel=1e-10)
     assert torch.allclose(ours[0], expected[0], atol=1e-10)
     assert torch.allclose(ours[1], expected[1], atol=1e-10)
@@ -185,7 +185,7 @@ def test_projected_loss_under_autocast_is_the_bf16_linear_loss() -> None:
         ref, _, _ = label_smoothed_loss(F.linear(hidden, weight), target, 0.1, 0)
     ours = torch.autograd.grad(loss, [hidden, weight])
     expected = torch.autograd.grad(ref, [hidden, weight])
-    assert float(loss) == pytest.approx(float(ref), rel=1e-3)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-3)
     for got, want in zip(ours, expected):
         assert got.dtype == torch.float32
         assert torch.allclose(got, want, rtol=2e-2, atol=1e-3)
