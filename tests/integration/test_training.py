@@ -191,6 +191,20 @@ def test_projected_loss_under_autocast_is_the_bf16_linear_loss() -> None:
         assert torch.allclose(got, want, rtol=2e-2, atol=1e-3)
 
 
+def test_projected_loss_runs_again_on_a_retained_graph() -> None:
+    """The fused loss computes its gradients in the forward; a second backward through a
+    retained graph gives them again, not None."""
+    torch.manual_seed(2)
+    hidden = torch.randn(12, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(1, 10, (12,))
+    loss, _, _ = projected_label_smoothed_loss(hidden, weight, None, target, 0.1, 0)
+    loss.backward(retain_graph=True)
+    first = (hidden.grad.clone(), weight.grad.clone())
+    loss.backward()
+    assert torch.equal(hidden.grad, 2 * first[0]) and torch.equal(weight.grad, 2 * first[1])
+
+
 @pytest.mark.parametrize("chunk_elements", [None, 5 * 8])
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_rdrop_loss_is_the_two_passes_mean_loss_plus_alpha_times_their_symmetric_kl(
@@ -207,10 +221,13 @@ def test_rdrop_loss_is_the_two_passes_mean_loss_plus_alpha_times_their_symmetric
     kept = torch.tensor([1, 2, 4, 7, 9, 12, 15, 18])
     bias = torch.full((20,), float("-inf"), dtype=torch.float64)
     bias[kept] = torch.randn(len(kept), dtype=torch.float64)
+    bias.requires_grad_()
     target = kept[torch.randint(1, len(kept), (n,))]
     target[::5] = 0  # padding, dropped from both passes
     loss, nll, scored = rdrop_loss(hidden, weight, bias, target, eps, alpha, 0, scale)
-    ours = torch.autograd.grad(loss, [hidden, weight])
+    ours = torch.autograd.grad(loss, [hidden, weight, bias], retain_graph=True)
+    # a retained graph runs again with the same gradients
+    assert torch.equal(torch.autograd.grad(loss, [hidden])[0], ours[0])
     keep = target != 0
     position = torch.full((20,), -1, dtype=torch.long)
     position[kept] = torch.arange(len(kept))
@@ -222,7 +239,7 @@ def test_rdrop_loss_is_the_two_passes_mean_loss_plus_alpha_times_their_symmetric
         + F.kl_div(lp[0], lp[1], log_target=True, reduction="sum")  # KL(P1||P2) + KL(P2||P1)
     ref = (ce[0] + ce[1]) / 2 + alpha / 2 * kl / 2
     ref_nll = sum(F.cross_entropy(z, gold, reduction="sum") for z in halves) / 2
-    expected = torch.autograd.grad(scale * ref, [hidden, weight])
+    expected = torch.autograd.grad(scale * ref, [hidden, weight, bias])
     assert scored == int(keep.sum()) == 19
     assert float(kl.detach()) > 0.1  # the two halves differ, so the KL term is in play
     assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-10)
@@ -233,7 +250,14 @@ def test_rdrop_loss_is_the_two_passes_mean_loss_plus_alpha_times_their_symmetric
     same = torch.cat([hidden[:n], hidden[:n]]).detach()
     one, _, _ = projected_label_smoothed_loss(same[:n], weight.detach(), bias, target, eps, 0)
     two, _, _ = rdrop_loss(same, weight.detach(), bias, target, eps, alpha, 0)
-    assert float(two) == pytest.approx(float(one), rel=1e-10)
+    assert two.item() == pytest.approx(one.item(), rel=1e-10)
+    # nothing to score: zero loss and zero gradients of the right shapes
+    none_loss, none_nll, none_n = rdrop_loss(hidden, weight, bias, torch.zeros_like(target),
+                                             eps, alpha, 0)
+    none_grads = torch.autograd.grad(none_loss, [hidden, weight])
+    assert (none_loss.item(), none_nll.item(), none_n) == (0.0, 0.0, 0)
+    assert [g.shape for g in none_grads] == [hidden.shape, weight.shape]
+    assert not any(bool(g.any()) for g in none_grads)
     with pytest.raises(ValueError, match="hidden"):
         rdrop_loss(hidden[1:], weight, bias, target, eps, alpha, 0)
 

@@ -52,7 +52,8 @@ def model_text(lines: list[str], data: "DataConfig", side: str = "src",
     feeds raw text to a checkpoint (translate, evaluate, attention, serve) goes through here.
 
     With ``warn`` and ``lc-norm-tok``, lines that hold Moses escapes (``&apos;``, ``&quot;``,
-    ``&amp;`` ...) are reported through it: they look tokenized already (e.g. the shipped
+    ``&amp;`` ...) are reported through it: they look tokenized already (raw text with HTML
+    entities looks the same, hence a warning, not an error) (e.g. the shipped
     ``tok/*.lc.norm.tok.*`` files), and tokenizing them again changes them (``&apos;`` becomes
     ``&amp; apos ;``), so the model reads text it was not trained on. They are still
     translated; the raw text is what to pass.
@@ -66,10 +67,11 @@ def model_text(lines: list[str], data: "DataConfig", side: str = "src",
         escaped = [i for i, line in enumerate(lines, 1) if _MOSES_ESCAPES.search(line)]
         if escaped:
             warn(f"{len(escaped)} of {len(lines)} input lines (line {escaped[0]} first) hold "
-                 f"Moses escapes such as &apos; or &quot;, as already tokenized text does; "
-                 f"the model tokenizes its input itself (data.preprocess = lc-norm-tok), so "
-                 f"those lines are tokenized twice and read as text it was not trained on: "
-                 f"pass the raw text")
+                 f"Moses escapes such as &apos; or &quot;, so they look tokenized already; "
+                 f"the model tokenizes its input itself (data.preprocess = lc-norm-tok), and "
+                 f"tokenizing such lines again turns &apos; into &amp; apos ;, text it was "
+                 f"not trained on: pass the raw text (if these are entities of the raw text, "
+                 f"nothing is wrong)")
     return preprocess_lines(lines, data.src_lang if side == "src" else data.tgt_lang,
                             data.preprocess)
 

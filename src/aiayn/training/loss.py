@@ -163,8 +163,7 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
-        gx, gw, gb = ctx.grads
-        ctx.grads = (None, None, None)
+        gx, gw, gb = ctx.grads  # kept: a graph retained (retain_graph=True) may run again
         return (_scaled(gx, grad_loss), _scaled(gw, grad_loss), _scaled(gb, grad_loss),
                 None, None, None)
 
@@ -448,7 +447,6 @@ class _ProjectedRDrop(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
-        gx, gw, gb = ctx.grads
-        ctx.grads = (None, None, None)
+        gx, gw, gb = ctx.grads  # kept, as in _ProjectedSmoothedCrossEntropy
         return (_scaled(gx, grad_loss), _scaled(gw, grad_loss), _scaled(gb, grad_loss),
                 None, None, None, None)

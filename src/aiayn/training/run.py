@@ -191,7 +191,8 @@ def run_training(
                 f"{config.model.P_drop}, attention dropout {config.model.attention_dropout}, "
                 f"word dropout {config.model.word_dropout}")
         if config.train.rdrop_alpha > 0:
-            start = config.train.rdrop_start
+            # no dropout masks before late dropout's start, so no second pass either
+            start = max(config.train.rdrop_start, config.train.late_dropout_start)
             when = (f"once {start:.0%} of the budget is spent, " if start > 0 else "")
             log(f"aiayn train: R-Drop: {when}every batch runs through the model twice, the loss "
                 f"adds {config.train.rdrop_alpha} x the symmetric KL of the two outputs")
