@@ -52,11 +52,11 @@ def model_text(lines: list[str], data: "DataConfig", side: str = "src",
     feeds raw text to a checkpoint (translate, evaluate, attention, serve) goes through here.
 
     With ``warn`` and ``lc-norm-tok``, lines that hold Moses escapes (``&apos;``, ``&quot;``,
-    ``&amp;`` ...) are reported through it: they look tokenized already (raw text with HTML
-    entities looks the same, hence a warning, not an error) (e.g. the shipped
-    ``tok/*.lc.norm.tok.*`` files), and tokenizing them again changes them (``&apos;`` becomes
-    ``&amp; apos ;``), so the model reads text it was not trained on. They are still
-    translated; the raw text is what to pass.
+    ``&amp;`` ...) are reported through it, once, with their count and the first line number:
+    they look tokenized already, as the shipped ``tok/*.lc.norm.tok.*`` files are, and
+    tokenizing them again changes them (``&apos;`` becomes ``&amp; apos ;``), so the model reads
+    text it was not trained on. They are still translated: raw text with HTML entities looks
+    the same, so this is a warning, not an error.
 
     Raises:
         ValueError: an unknown side or mode.

@@ -248,7 +248,6 @@ class Trainer:
             self.compute_model = copy.deepcopy(self.model).to(torch.bfloat16)
         self.ddp_model: nn.Module = self.compute_model
         self._dropout_active: bool | None = None  # set by _schedule_dropout (late dropout)
-        self._rdrop_started = True  # likewise (train.rdrop_start)
         if self.dist.world_size > 1:
             self.ddp_model = nn.parallel.DistributedDataParallel(
                 self.compute_model,
@@ -397,7 +396,8 @@ class Trainer:
         # R-Drop's second pass only from its start on and while dropout masks are drawn (not in
         # eval mode, not before late dropout's start, not with every rate 0): else the two
         # passes are one pass
-        if self.tc.rdrop_alpha > 0 and self._rdrop_started and core.draws_dropout:
+        if self.tc.rdrop_alpha > 0 and self._budget_spent() >= self.tc.rdrop_start \
+                and core.draws_dropout:
             return self._rdrop_batch_loss(model, core, batch, keep, grad_scale)
         with self._autocast(model):
             hidden = model(batch.src, batch.tgt_in, output_mask=keep, project=False)  # (n, d)
@@ -418,19 +418,19 @@ class Trainer:
                               batch.tgt_out[keep], self.tc.epsilon_ls, self.tc.rdrop_alpha,
                               self.vocab.pad_id, grad_scale)
 
+    def _budget_spent(self) -> float:
+        """The fraction of the budget spent before this update, as the lr schedule measures
+        it: a function of the saved step and training seconds, so late dropout and late R-Drop
+        (``train.rdrop_start``) switch in a resumed run where the uninterrupted one would."""
+        return budget_progress(self.state.step, self.state.elapsed_s, self.tc.max_steps,
+                               self.tc.time_budget_s)
+
     def _schedule_dropout(self) -> None:
         """Late dropout (``train.late_dropout_start``): the model's dropout is off until that
-        fraction of the budget is spent, then on; late R-Drop (``train.rdrop_start``) likewise.
-        A function of the saved step and training seconds, so a resumed run switches where the
-        uninterrupted one would."""
-        if self.tc.late_dropout_start <= 0 and self.tc.rdrop_start <= 0:
-            return
-        spent = budget_progress(self.state.step, self.state.elapsed_s, self.tc.max_steps,
-                                self.tc.time_budget_s)
-        self._rdrop_started = spent >= self.tc.rdrop_start
+        fraction of the budget is spent (:meth:`_budget_spent`), then on."""
         if self.tc.late_dropout_start <= 0:
             return
-        active = spent >= self.tc.late_dropout_start
+        active = self._budget_spent() >= self.tc.late_dropout_start
         if active != self._dropout_active:
             self.compute_model.set_dropout_active(active)
             self._dropout_active = active

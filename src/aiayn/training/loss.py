@@ -37,11 +37,17 @@ def _smoothed_chunk(logits: Tensor, gold: Tensor, epsilon_ls: float, grad_scale:
         return nll, smooth, None
     if grad_scale != 1.0:
         probs.mul_(grad_scale)  # in cache, instead of a pass over (n, V) later
-    if epsilon_ls > 0:
-        probs.sub_(grad_scale * epsilon_ls / vocab)
-    probs.scatter_add_(1, g, torch.full(g.shape, grad_scale * (epsilon_ls - 1.0),
-                                        dtype=dtype, device=probs.device))
+    _subtract_smoothed_target(probs, g, epsilon_ls, grad_scale)
     return nll, smooth, probs
+
+
+def _subtract_smoothed_target(grad: Tensor, g: Tensor, epsilon_ls: float, scale: float) -> None:
+    """``grad`` (r, V) minus ``scale`` times the label-smoothed target q of §5.4, in place:
+    (1 - epsilon_ls) on the gold ids ``g`` (r, 1) plus epsilon_ls / V on every token."""
+    if epsilon_ls > 0:
+        grad.sub_(scale * epsilon_ls / grad.shape[1])
+    grad.scatter_add_(1, g, torch.full(g.shape, scale * (epsilon_ls - 1.0), dtype=grad.dtype,
+                                       device=grad.device))
 
 
 def _combine(nll_sum: Tensor, smooth_sum: Tensor, epsilon_ls: float) -> Tensor:
@@ -117,6 +123,42 @@ def _scaled(grad: Tensor | None, grad_loss: Tensor) -> Tensor | None:
     return grad.mul(grad_loss.to(grad.dtype))  # out of place: a retained graph may run again
 
 
+def _wants_grad(ctx, bias: Tensor | None) -> bool:
+    """Whether a projected loss's forward must build the gradient of x, W or b."""
+    return ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or (
+        bias is not None and ctx.needs_input_grad[2])
+
+
+def _project(x: Tensor, w_t: Tensor, bias: Tensor | None, lo: int, hi: int,
+             out: Tensor | None = None) -> Tensor:
+    """Logits x W^T + b of rows lo..hi, (hi - lo, V), into ``out`` when given."""
+    if bias is None:
+        return torch.mm(x[lo:hi], w_t, out=out)
+    return torch.addmm(bias, x[lo:hi], w_t, out=out)
+
+
+def _output_layer_grads(ctx, grad: Tensor | None, x: Tensor, weight: Tensor,
+                        bias: Tensor | None, grad_scale: float) -> tuple:
+    """From the logits' gradient ``grad`` (m, V) (None: none wanted), the gradients of x
+    (m, d), W (V, d) and b (V,) that the inputs need, each times ``grad_scale`` (applied to
+    these small results, not to the (m, V) rows)."""
+    if grad is None:
+        return None, None, None
+    grads = (grad @ weight if ctx.needs_input_grad[0] else None,
+             grad.t() @ x if ctx.needs_input_grad[1] else None,
+             grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None)
+    if grad_scale != 1.0:
+        grads = tuple(None if t is None else t.mul_(grad_scale) for t in grads)
+    return grads
+
+
+def _stored_grads(ctx, grad_loss: Tensor, n_options: int) -> tuple:
+    """A projected loss's backward: the gradients its forward stored, times the incoming
+    ``grad_loss``; None for its ``n_options`` non-tensor arguments. The stored gradients are
+    kept, so a graph retained (retain_graph=True) may run again."""
+    return (*(_scaled(t, grad_loss) for t in ctx.grads), *(None,) * n_options)
+
+
 class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
     """The output layer (§3.4) and the label-smoothed loss in one pass over chunks of rows.
 
@@ -133,39 +175,21 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
                 epsilon_ls: float, grad_scale: float) -> tuple[Tensor, Tensor]:
         acc = torch.promote_types(x.dtype, torch.float32)
         n, vocab = x.shape[0], weight.shape[0]
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or (
-            bias is not None and ctx.needs_input_grad[2])
         grad = _workspace(n * vocab, x.dtype, x.device)[: n * vocab].view(n, vocab) \
-            if want_grad else None
+            if _wants_grad(ctx, bias) else None
         w_t = weight.t()
         scratch = torch.empty(min(n, _chunk_rows(vocab)), vocab, dtype=x.dtype, device=x.device)
-
-        def logits_of(lo: int, hi: int) -> Tensor:  # x W^T + b of rows lo..hi
-            out = scratch[: hi - lo]
-            if bias is None:
-                return torch.mm(x[lo:hi], w_t, out=out)
-            return torch.addmm(bias, x[lo:hi], w_t, out=out)
-
         with torch.autocast(x.device.type, enabled=False):
-            # grad_scale is applied to the three small results below, not to the (n, V) rows
-            nll_sum, smooth_sum = _chunked_loss(n, vocab, logits_of, gold, epsilon_ls, 1.0,
-                                                acc, grad)
-            grads = (None, None, None)
-            if want_grad:
-                grads = (grad @ weight if ctx.needs_input_grad[0] else None,  # (n, d)
-                         grad.t() @ x if ctx.needs_input_grad[1] else None,  # (V, d)
-                         grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None)
-                if grad_scale != 1.0:
-                    grads = tuple(None if t is None else t.mul_(grad_scale) for t in grads)
-        ctx.grads = grads
+            nll_sum, smooth_sum = _chunked_loss(
+                n, vocab, lambda lo, hi: _project(x, w_t, bias, lo, hi, scratch[: hi - lo]),
+                gold, epsilon_ls, 1.0, acc, grad)
+            ctx.grads = _output_layer_grads(ctx, grad, x, weight, bias, grad_scale)
         ctx.mark_non_differentiable(nll_sum)
         return _combine(nll_sum, smooth_sum, epsilon_ls), nll_sum
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
-        gx, gw, gb = ctx.grads  # kept: a graph retained (retain_graph=True) may run again
-        return (_scaled(gx, grad_loss), _scaled(gw, grad_loss), _scaled(gb, grad_loss),
-                None, None, None)
+        return _stored_grads(ctx, grad_loss, 3)
 
 
 _workspaces: dict[tuple[torch.dtype, torch.device], Tensor] = {}
@@ -366,13 +390,12 @@ def rdrop_loss(
 
 
 def _rdrop_chunk(z1: Tensor, z2: Tensor, gold: Tensor, epsilon_ls: float, alpha: float,
-                 grad_scale: float, out1: Tensor | None,
-                 out2: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                 out1: Tensor | None, out2: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """R-Drop's terms for one chunk of r positions, from the two passes' (r, V) logits ``z1``
     and ``z2`` already in the accumulation dtype: the summed nll and uniform term of both
     passes, and their summed symmetric KL. With ``out1`` / ``out2`` (r, V) given, the gradient
-    of ``grad_scale`` times :func:`rdrop_loss`'s loss with respect to each pass's logits is
-    written there, in closed form: with d = log P1 - log P2 and s1 = sum_v P1 d,
+    of :func:`rdrop_loss`'s loss (unscaled) with respect to each pass's logits is written
+    there, in closed form: with d = log P1 - log P2 and s1 = sum_v P1 d,
 
         d/dz1 [KL(P1 || P2) + KL(P2 || P1)] = P1 (d - s1) + P1 - P2
 
@@ -391,14 +414,11 @@ def _rdrop_chunk(z1: Tensor, z2: Tensor, gold: Tensor, epsilon_ls: float, alpha:
     c = 0.25 * alpha
     for p, sign, out in ((p1, 1.0, out1), (p2, -1.0, out2)):
         s = (p * d).sum(dim=1, keepdim=True) * sign  # (r, 1)
-        # c (p (sign d - s) + sign (P1 - P2)) + (p - q) / 2, scaled
+        # c (p (sign d - s) + sign (P1 - P2)) + (p - q) / 2
         grad = torch.addcmul(p * (0.5 - c * s), p, d, value=c * sign)
         grad.add_(diff, alpha=c * sign)
-        if epsilon_ls > 0:
-            grad.sub_(0.5 * epsilon_ls / vocab)
-        grad.scatter_add_(1, g, torch.full(g.shape, 0.5 * (epsilon_ls - 1.0), dtype=grad.dtype,
-                                           device=grad.device))
-        out.copy_(grad.mul_(grad_scale) if grad_scale != 1.0 else grad)
+        _subtract_smoothed_target(grad, g, epsilon_ls, 0.5)
+        out.copy_(grad)
     return nll, smooth, sym_kl
 
 
@@ -414,10 +434,8 @@ class _ProjectedRDrop(torch.autograd.Function):
                 epsilon_ls: float, alpha: float, grad_scale: float) -> tuple[Tensor, Tensor]:
         acc = torch.promote_types(x.dtype, torch.float32)
         n, vocab = gold.shape[0], weight.shape[0]
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or (
-            bias is not None and ctx.needs_input_grad[2])
         grad = _workspace(2 * n * vocab, x.dtype, x.device)[: 2 * n * vocab].view(2 * n, vocab) \
-            if want_grad else None
+            if _wants_grad(ctx, bias) else None
         w_t = weight.t()
         rows = max(1, min(n, _chunk_rows(vocab) // 2))
         nll_sum = torch.zeros((), dtype=acc, device=x.device)
@@ -425,21 +443,15 @@ class _ProjectedRDrop(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             for lo in range(0, n, rows):
                 hi = min(n, lo + rows)
-                z = [torch.mm(x[a:b], w_t) if bias is None else torch.addmm(bias, x[a:b], w_t)
-                     for a, b in ((lo, hi), (n + lo, n + hi))]
                 nll, smooth, kl = _rdrop_chunk(
-                    z[0].to(acc), z[1].to(acc), gold[lo:hi], epsilon_ls, alpha, grad_scale,
-                    None if grad is None else grad[lo:hi],
+                    _project(x, w_t, bias, lo, hi).to(acc),
+                    _project(x, w_t, bias, n + lo, n + hi).to(acc), gold[lo:hi], epsilon_ls,
+                    alpha, None if grad is None else grad[lo:hi],
                     None if grad is None else grad[n + lo:n + hi])
                 nll_sum += nll
                 smooth_sum += smooth
                 kl_sum += kl
-            grads = (None, None, None)
-            if want_grad:
-                grads = (grad @ weight if ctx.needs_input_grad[0] else None,  # (2n, d)
-                         grad.t() @ x if ctx.needs_input_grad[1] else None,  # (V, d)
-                         grad.sum(0) if bias is not None and ctx.needs_input_grad[2] else None)
-        ctx.grads = grads
+            ctx.grads = _output_layer_grads(ctx, grad, x, weight, bias, grad_scale)
         loss = 0.5 * _combine(nll_sum, smooth_sum, epsilon_ls) + 0.25 * alpha * kl_sum
         nll_mean = 0.5 * nll_sum
         ctx.mark_non_differentiable(nll_mean)
@@ -447,6 +459,4 @@ class _ProjectedRDrop(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
-        gx, gw, gb = ctx.grads  # kept, as in _ProjectedSmoothedCrossEntropy
-        return (_scaled(gx, grad_loss), _scaled(gw, grad_loss), _scaled(gb, grad_loss),
-                None, None, None, None)
+        return _stored_grads(ctx, grad_loss, 4)
