@@ -84,11 +84,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--layer {layer} does not exist: the model has N={N} layers (1 … {N})")
     heads = _heads(args.head, h)
     d = config.decode
+    from aiayn.cli.translate import warner
     from aiayn.data.text import model_text
 
     # the text the model was trained on (e.g. lowercased and Moses-tokenized), as translate does
-    source = model_text([source], config.data)[0]
-    target = None if args.target is None else model_text([args.target], config.data, "tgt")[0]
+    warn = warner("attention")
+    source = model_text([source], config.data, warn=warn)[0]
+    target = None if args.target is None else \
+        model_text([args.target], config.data, "tgt", warn=warn)[0]
     maps = attention_maps(model, vocab, source, target,
                           beam_size=d.beam_size if args.beam is None else args.beam,
                           alpha=d.alpha if args.alpha is None else args.alpha,
