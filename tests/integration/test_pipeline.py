@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 from aiayn.cli import main
@@ -81,3 +85,88 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
     if again["weights"] != "ema":
         meta = json.loads((run_dir / "averaged" / "meta.json").read_text())
         assert [Path(p).name for p in meta["averaged_from"]] == again["averaged"]
+
+
+ENSEMBLE = ["pipeline", "--preset", "tiny", "--no-progress", "--json", "--ensemble", "2",
+            "--set", "data.train_limit=2000", "--set", "decode.batch_size=250",
+            "--set", "train.checkpoint_every_steps=30", "--set", "train.eval_every_steps=60"]
+
+
+def test_pipeline_trains_and_decodes_an_ensemble(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "run"
+    job = ENSEMBLE + ["--run-dir", str(run_dir), "--average", "2", "1"]
+    assert main(job + ["--set", "train.max_steps=60", "--set", "train.seed=7"]) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    # two members, seeds 7 and 8, one shared vocabulary, each with its own run directory
+    assert results["ensemble"] == 2
+    assert [m["seed"] for m in results["members"]] == [7, 8]
+    assert [m["steps"] for m in results["members"]] == [60, 60]
+    assert results["train_steps"] == 120 and results["threads"] >= 1
+    for k in (1, 2):
+        member = run_dir / f"member-{k}"
+        assert (member / "tokenizer.json").read_bytes() == \
+            (run_dir / "tokenizer.json").read_bytes()
+        assert json.loads((member / "config.json").read_text())["train"]["seed"] == 6 + k
+        assert [p.name for p in sorted((member / "checkpoints").iterdir())] == \
+            ["step-00000030", "step-00000060"]
+        assert "aiayn train" in (run_dir / f"member-{k}.log").read_text()
+        assert (member / "curves.png").is_file()
+    width = results["weights"]
+    assert width in ("2", "1") and results["valid_bleu_by_alpha"] == \
+        results["valid_bleu_by_average"][width]
+    last = ["step-00000030", "step-00000060"][-int(width):]
+    assert results["averaged"] == [f"member-{k}/{s}" for k in (1, 2) for s in last]
+    weights = [(run_dir / f"member-{k}" / "averaged" / "model.safetensors").read_bytes()
+               for k in (1, 2)]
+    assert weights[0] != weights[1]  # two seeds, two models
+    hyps = (run_dir / "test.hyp.de").read_text(encoding="utf-8").split("\n")
+    assert len(hyps) - 1 == 1000 and 0.0 <= results["multi30k_tok_bleu"] <= 100.0
+
+    # a resume must say it is an ensemble's, and then finds both members finished
+    assert main(job + ["--resume", "--ensemble", "1"]) == 2
+    assert "--ensemble 2" in capsys.readouterr().err
+    assert main(job + ["--resume"]) == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["train_steps"] == 120
+    assert again["valid_bleu_by_average"] == results["valid_bleu_by_average"]
+
+    # a member that cannot start stops the job with its own error, and the other with it
+    (run_dir / "member-2" / "config.json").write_text("{not json", encoding="utf-8")
+    assert main(job + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "ensemble member 2 failed" in err and "member-2" in err
+
+
+def test_a_signal_stops_every_ensemble_member_with_a_checkpoint(tmp_path: Path,
+                                                                capsys) -> None:
+    run_dir = tmp_path / "run"
+
+    def interrupt_once_training() -> None:  # both members past their first logged steps
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if all(b'"kind": "train"' in _read(run_dir / f"member-{k}" / "metrics.jsonl")
+                   for k in (1, 2)):
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=interrupt_once_training, daemon=True)
+    watcher.start()
+    code = main(ENSEMBLE + ["--run-dir", str(run_dir), "--set", "train.max_steps=100000"])
+    watcher.join()
+    assert code == 128 + signal.SIGINT
+    assert "--ensemble 2" in capsys.readouterr().err  # the resume command names it
+    for k in (1, 2):
+        summary = json.loads((run_dir / f"member-{k}" / "train_summary.json").read_text())
+        assert summary["stop_reason"] == "signal SIGINT"
+        assert 0 < summary["steps"] < 100000
+        assert (run_dir / f"member-{k}" / "checkpoints" /
+                f"step-{summary['steps']:08d}").is_dir()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""

@@ -130,3 +130,44 @@ def test_evaluate_multi30k_protocol(data_dir, tmp_path, capsys):
     scores = json.loads(capsys.readouterr().out)["scores"]
     assert scores["multi30k"]["bleu"] == pytest.approx(100.0)
     assert "Multi30k" in scores["multi30k"]["protocol"]
+
+
+def test_translate_and_evaluate_with_an_ensemble(checkpoint, tmp_path, capsys):
+    """Several --checkpoint paths decode as an ensemble, the same as translate_nbest on the
+    list of models; a member with another vocabulary is refused, naming it."""
+    from aiayn.checkpoint import load_checkpoint
+    from aiayn.decoding import translate_nbest
+
+    _, cfg, vocab = load_checkpoint(checkpoint)
+    torch.manual_seed(1)
+    second = tmp_path / "second"
+    save_checkpoint(second, Transformer(cfg.model), cfg, vocab)
+    lines = ["A man rides a bike.", "", "Two dogs play in the snow."]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out.txt"
+    assert main(["translate", "--checkpoint", str(checkpoint), str(second), "-i", str(src),
+                 "-o", str(out), *FAST]) == 0
+    models = [load_checkpoint(p)[0] for p in (checkpoint, second)]
+    want = translate_nbest(models, vocab, lines, max_len_a=0.5, max_len_b=4)
+    assert out.read_text(encoding="utf-8").splitlines() == [t[0].text for t in want]
+    alone = [translate_nbest(m, vocab, lines, max_len_a=0.5, max_len_b=4) for m in models]
+    assert [t[0].tokens for t in want] not in [[t[0].tokens for t in a] for a in alone]
+
+    ref = tmp_path / "ref.txt"
+    ref.write_text("Ein Mann fährt Rad.\n\nZwei Hunde spielen im Schnee.\n", encoding="utf-8")
+    assert main(["evaluate", "--checkpoint", str(checkpoint), str(second), "--src", str(src),
+                 "--ref", str(ref), "--json", *FAST]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["checkpoint"] == str(checkpoint)
+    assert result["ensemble"] == [str(checkpoint), str(second)]
+
+    other_vocab = Vocabulary.learn(TEXTS[:2] * 10, 60)
+    other_cfg = dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, vocab_size=len(other_vocab)))
+    other = tmp_path / "other"
+    save_checkpoint(other, Transformer(other_cfg.model), other_cfg, other_vocab)
+    assert main(["translate", "--checkpoint", str(checkpoint), str(other), "-i", str(src),
+                 *FAST]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint {other}: its vocabulary differs" in err

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--hyp {args.hyp}: the file is empty, nothing to score")
         result["hyp"] = args.hyp
     else:
-        from aiayn.cli.translate import decode_options, load_model, warner
+        from aiayn.cli.translate import decode_options, load_models, warner
         from aiayn.decoding import translate_nbest
 
         from aiayn.data.text import is_protocol_text, model_text
@@ -78,19 +78,21 @@ def run(args: argparse.Namespace) -> int:
         lines = read_lines(args.src)
         if not lines:
             raise UserError(f"--src {args.src}: the file is empty, nothing to translate")
-        model, config, vocab = load_model(args)
+        models, config, vocab = load_models(args)
         # the model reads and writes the text it was trained on (data.preprocess)
         lines = model_text(lines, config.data, warn=warner("evaluate"))
         pretokenized = is_protocol_text(config.data.preprocess)
         options = decode_options(args, config)
-        translations = translate_nbest(model, vocab, lines, warn=warner("evaluate"),
+        translations = translate_nbest(models, vocab, lines, warn=warner("evaluate"),
                                        progress=not args.quiet and sys.stderr.isatty(),
                                        **options)
         hyps = [t[0].text for t in translations]
         lang = lang or config.data.tgt_lang
-        result.update(checkpoint=args.checkpoint, src=args.src,
+        result.update(checkpoint=args.checkpoint[0], src=args.src,
                       decode={k: v for k, v in options.items() if k != "sampling"},
                       sampling=options["sampling"] is not None)
+        if len(args.checkpoint) > 1:
+            result["ensemble"] = args.checkpoint
         if args.output:
             with atomic_file(args.output, "w") as f:
                 f.writelines(h.replace("\n", " ") + "\n" for h in hyps)

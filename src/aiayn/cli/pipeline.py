@@ -32,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="length penalties alpha (§6.1, Wu et al. 2016's lp; 0 = none) to try with beam "
                         "search on the whole validation set; the best one there translates "
                         "the test set once (default: the preset's decode.alpha alone)")
+    p.add_argument("--ensemble", type=int, default=1, metavar="N",
+                   help="train N models at once in the same time budget (one process each, "
+                        "the threads shared out, seeds train.seed ... train.seed + N - 1, one "
+                        "vocabulary) and translate with their ensemble: their next-token "
+                        "probabilities averaged (default 1: one model)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run")
@@ -44,6 +49,21 @@ def _described(candidate: int | str) -> str:
     """How the job names a candidate model: an averaging width, or "ema"."""
     return "the moving average of the weights" if candidate == "ema" \
         else f"the last {candidate} checkpoints averaged"
+
+
+def _ensemble_summary(members: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary for an ensemble's members: their updates and target tokens summed, the
+    fewest epochs, the longest time, the stop reason of the first that did not end normally."""
+    steal = [m["cpu_steal_pct"] for m in members if m.get("cpu_steal_pct") is not None]
+    stops = [m["stop_reason"] for m in members if m["stop_reason"].startswith("signal")]
+    return {"steps": sum(m["steps"] for m in members),
+            "epochs": min(m["epochs"] for m in members),
+            "elapsed_s": max(m["elapsed_s"] for m in members),
+            "target_tokens": sum(m["target_tokens"] for m in members),
+            "parameters": members[0]["parameters"],
+            "stop_reason": stops[0] if stops else members[0]["stop_reason"],
+            "cpu_steal_pct": max(steal) if steal else None,
+            "valid_bleu": None}
 
 
 def _tok_reference(dataset: str, tgt_lang: str) -> Path | None:
@@ -71,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.evaluation.bleu import (chrf_score, multi30k_tok_bleu, multi30k_tokenize,
                                        sacrebleu_scores)
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
+    from aiayn.errors import UserError
     from aiayn.training.average import average_checkpoints
+    from aiayn.training.ensemble import member_dirs, members_found, train_members
     from aiayn.training.run import load_split, run_training
 
     def say(msg: str) -> None:
@@ -80,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.average is not None and min(args.average) < 1:
         raise ValueError(f"--average must be at least 1, got {min(args.average)}")
+    if args.ensemble < 1:
+        raise ValueError(f"--ensemble must be at least 1, got {args.ensemble}")
     overrides = list(args.set)
     if args.src_lang:
         overrides.append(f"data.src_lang={args.src_lang}")
@@ -96,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
                          f"data.dataset={d.dataset!r}; use aiayn train / average / evaluate")
     # the run's own keep_last on --resume (its config.json), so a wider average fails now and
     # not after an hour of training
+    found_members = members_found(run_dir)
+    if args.resume and found_members and args.ensemble != found_members:
+        raise UserError(f"{run_dir} holds an ensemble of {found_members} members: resume it "
+                        f"with --ensemble {found_members}")
     kept = config.train.keep_last
     if args.resume and (run_dir / "config.json").is_file():
         kept = load_config(str(run_dir / "config.json"), overrides).train.keep_last
@@ -106,16 +134,26 @@ def run(args: argparse.Namespace) -> int:
                          f"{max(widths)}")
     device = choose_device(args.device)  # one device for training and decoding
     t0 = time.monotonic()
-    say(f"[1/4] training {config.name} ({d.dataset} {d.src_lang}->{d.tgt_lang}) in {run_dir}")
-    summary = run_training(None if args.resume else config, run_dir, resume=args.resume,
-                           overrides=overrides if args.resume else None, device=str(device),
-                           progress=not args.no_progress, log=say)
+    say(f"[1/4] training {config.name} ({d.dataset} {d.src_lang}->{d.tgt_lang}) in {run_dir}"
+        + (f", an ensemble of {args.ensemble}" if args.ensemble > 1 else ""))
+    if args.ensemble > 1:
+        members = train_members(config, run_dir, args.ensemble, resume=args.resume,
+                                overrides=overrides if args.resume else None,
+                                device=args.device, log=say)
+        summary = _ensemble_summary(members)
+        runs = member_dirs(run_dir, args.ensemble)
+    else:
+        summary = run_training(None if args.resume else config, run_dir, resume=args.resume,
+                               overrides=overrides if args.resume else None,
+                               device=str(device), progress=not args.no_progress, log=say)
+        members, runs = [], [run_dir]
     if summary["stop_reason"].startswith("signal"):  # Ctrl-C / SIGTERM: stop here
         name = summary["stop_reason"].split()[-1]
         signum = getattr(signal, name, signal.SIGINT)
         print(f"aiayn pipeline: training stopped by {name} at step {summary['steps']}; the "
-              f"checkpoint is in {run_dir / 'checkpoints'}. Continue with: aiayn pipeline "
-              f"--resume --run-dir {run_dir} --preset {args.preset}", file=sys.stderr)
+              f"checkpoints are in {run_dir}. Continue with: aiayn pipeline --resume --run-dir "
+              f"{run_dir} --preset {args.preset}"
+              + (f" --ensemble {args.ensemble}" if args.ensemble > 1 else ""), file=sys.stderr)
         return 128 + int(signum)
 
     dc = config.decode
@@ -124,21 +162,29 @@ def run(args: argparse.Namespace) -> int:
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
 
     def average(k: int | str) -> tuple[list[Path], tuple[Any, Any, Any]]:
-        """The last ``k`` checkpoints averaged into run_dir/averaged, and that model loaded:
-        (their paths, (model, run config, vocabulary)); ``k = "ema"``: the run's moving
-        average of the weights, run_dir/ema."""
-        if k == "ema":
-            say(f"[2/4] the moving average of the weights (train.ema_decay {ema_decay}): "
-                f"{run_dir / 'ema'}")
-            return [run_dir / "ema"], load_checkpoint(run_dir / "ema", device)
-        found = list_checkpoints(run_dir)[-k:]
-        say(f"[2/4] averaging the last {len(found)} checkpoints (§6.1): "
-            f"{', '.join(p.name for p in found)}")
-        return found, load_checkpoint(average_checkpoints(found, run_dir / "averaged"), device)
+        """The last ``k`` checkpoints of each run (one, or each ensemble member) averaged into
+        its ``averaged`` folder, and those models loaded: (their paths, (models, run config,
+        vocabulary)); ``k = "ema"``: each run's moving average of the weights, RUN/ema."""
+        found, models = [], []
+        for run in runs:
+            if k == "ema":
+                say(f"[2/4] the moving average of the weights (train.ema_decay {ema_decay}): "
+                    f"{run / 'ema'}")
+                found.append(run / "ema")
+                models.append(load_checkpoint(run / "ema", device))
+                continue
+            last = list_checkpoints(run)[-k:]
+            say(f"[2/4] averaging the last {len(last)} checkpoints (§6.1)"
+                + (f" of {run.name}" if members else "") + f": "
+                f"{', '.join(p.name for p in last)}")
+            found += last
+            models.append(load_checkpoint(average_checkpoints(last, run / "averaged"), device))
+        _, run_config, vocab = models[0]
+        return found, ([m for m, _, _ in models], run_config, vocab)
 
     def translate(loaded: tuple[Any, Any, Any], lines: list[str], alpha: float) -> list[str]:
-        model, run_config, vocab = loaded
-        return translate_lines(model, vocab, lines, beam_size=dc.beam_size, alpha=alpha,
+        models, run_config, vocab = loaded
+        return translate_lines(models, vocab, lines, beam_size=dc.beam_size, alpha=alpha,
                                max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
                                batch_size=dc.batch_size, bf16=run_config.train.bf16,
                                progress=not args.no_progress and not args.json)
@@ -157,8 +203,8 @@ def run(args: argparse.Namespace) -> int:
     by_average: dict[str, dict[str, float]] = {}
     candidates: list[int | str] = [*widths]
     # the run's own config (a resumed run may not repeat its --set train.ema_decay)
-    ema_decay = load_config(str(run_dir / "config.json")).train.ema_decay
-    if ema_decay > 0 and is_checkpoint(run_dir / "ema"):
+    ema_decay = load_config(str(runs[0] / "config.json")).train.ema_decay
+    if ema_decay > 0 and all(is_checkpoint(run / "ema") for run in runs):
         candidates.append("ema")
     width, alpha = widths[0], dc.alpha
     if valid is not None and len(valid):
@@ -200,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
         # the share of CPU time the host took during training (Linux; absent elsewhere): runs
         # on a shared machine compare only when this is small
         "train_cpu_steal_pct": summary.get("cpu_steal_pct"),
-        "threads": torch.get_num_threads(), "averaged": [p.name for p in found],
+        "threads": torch.get_num_threads(),
+        "averaged": [str(p.relative_to(run_dir)) if members else p.name for p in found],
         # "ema" when the moving average of the weights won on val, else the averaging width
         "weights": str(width),
         "beam_size": dc.beam_size, "alpha": alpha,
@@ -220,6 +267,11 @@ def run(args: argparse.Namespace) -> int:
         "chrf_signature": scores["chrf_signature"],
         "hypotheses": str(hyp_path), "valid_bleu_greedy_last": summary.get("valid_bleu"),
     }
+    if members:  # train_steps is their sum, train_epochs the fewest, threads each one's
+        results.update(ensemble=len(members), threads=members[0].get("threads"), members=[
+            {k: m.get(k) for k in ("run_dir", "seed", "steps", "epochs", "target_tokens",
+                                   "valid_nll", "valid_bleu", "cpu_steal_pct")}
+            for m in members])
     if d.dataset == "multi30k":
         ref_tok = _tok_reference(d.dataset, d.tgt_lang)
         if ref_tok is not None:
@@ -232,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         results["multi30k_tok_reference"] = ref_name
     results["pipeline_wall_s"] = round(time.monotonic() - t0, 1)
     write_json_atomic(run_dir / "results.json", results)
-    png = plot_run(run_dir)
+    png = [plot_run(run) for run in runs][0]
     if args.json:
         print(json.dumps(results))
         return 0

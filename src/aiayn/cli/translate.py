@@ -12,9 +12,11 @@ HELP = ("Translate text line by line with a checkpoint (beam search as §6.1 by 
 
 def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool = True) -> None:
     """Options shared by ``translate`` and ``evaluate`` (defaults: the checkpoint's config)."""
-    p.add_argument("--checkpoint", required=checkpoint_required, metavar="PATH",
+    p.add_argument("--checkpoint", required=checkpoint_required, nargs="+", metavar="PATH",
                    help="checkpoint directory (or a run directory: its averaged, best or "
-                        "newest checkpoint)")
+                        "newest checkpoint); several make an ensemble, whose next-token "
+                        "probabilities are averaged (they must share one vocabulary); the "
+                        "first one's config gives the decoding defaults")
     p.add_argument("--beam", type=int, default=None, metavar="K",
                    help="beam size; 1 = greedy (default: the checkpoint's decode.beam_size, "
                         "4 as in §6.1)")
@@ -91,12 +93,31 @@ def decode_options(args: argparse.Namespace, config, nbest: int = 1) -> dict:
                 beam_rules=d.beam_rules)
 
 
-def load_model(args: argparse.Namespace):
-    """(model, config, vocab) of ``--checkpoint`` on ``--device``."""
+def load_models(args: argparse.Namespace):
+    """(models, config, vocab) of the ``--checkpoint`` paths on ``--device``: one model, or
+    an ensemble; ``config`` is the first checkpoint's.
+
+    Raises:
+        UserError: an ensemble member whose vocabulary or text (``data.preprocess``) differs
+            from the first checkpoint's.
+    """
     from aiayn.checkpoint import load_checkpoint
     from aiayn.devices import choose_device
+    from aiayn.errors import UserError
 
-    return load_checkpoint(args.checkpoint, device=choose_device(args.device))
+    device = choose_device(args.device)
+    paths = args.checkpoint if isinstance(args.checkpoint, list) else [args.checkpoint]
+    loaded = [load_checkpoint(path, device=device) for path in paths]
+    _, config, vocab = loaded[0]
+    for path, (_, other, other_vocab) in zip(paths[1:], loaded[1:]):
+        if other_vocab.fingerprint != vocab.fingerprint:
+            raise UserError(f"--checkpoint {path}: its vocabulary differs from {paths[0]}'s; "
+                            "an ensemble needs models trained on one vocabulary")
+        if other.data.preprocess != config.data.preprocess:
+            raise UserError(f"--checkpoint {path}: it reads data.preprocess = "
+                            f"{other.data.preprocess!r} text, {paths[0]} "
+                            f"{config.data.preprocess!r}; an ensemble needs one kind of text")
+    return [model for model, _, _ in loaded], config, vocab
 
 
 def read_input(path: str | None) -> list[str]:
@@ -147,10 +168,10 @@ def run(args: argparse.Namespace) -> int:
     if to_file:  # before the whole input is decoded, not after
         check_output_file(args.output)
     lines = read_input(args.input)
-    model, config, vocab = load_model(args)
+    models, config, vocab = load_models(args)
     lines = model_text(lines, config.data, warn=warner("translate"))
     options = decode_options(args, config, nbest=args.nbest)
-    results = translate_nbest(model, vocab, lines, warn=warner("translate"),
+    results = translate_nbest(models, vocab, lines, warn=warner("translate"),
                               progress=args.output is not None and not args.quiet, **options)
     out = []
     for n, translations in enumerate(results):

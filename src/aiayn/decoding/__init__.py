@@ -2,6 +2,7 @@
 
 from aiayn.decoding.search import (
     CachedStep,
+    EnsembleStep,
     Hypothesis,
     SamplingConfig,
     StepFunction,
@@ -20,7 +21,7 @@ from aiayn.decoding.translate import (
 )
 
 __all__ = [
-    "CachedStep", "Hypothesis", "InputTooLongError", "SamplingConfig", "StepFunction",
+    "CachedStep", "EnsembleStep", "Hypothesis", "InputTooLongError", "SamplingConfig", "StepFunction",
     "Translation", "UncachedStep", "beam_search", "encode_sources", "greedy_search",
     "length_penalty", "max_output_lengths", "translate_lines", "translate_nbest",
 ]

@@ -14,6 +14,7 @@ in EOS and its score includes the EOS probability. PAD and BOS are never generat
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -382,6 +383,37 @@ class UncachedStep:
                             self.prefix.index_select(0, index))
 
 
+class EnsembleStep:
+    """Step function over several step functions whose models share one target vocabulary:
+    an ensemble (not in the paper; Sutskever et al. 2014 and Wu et al. 2016 decode with one).
+
+    Each call advances every member by one position and returns the log of the members'
+    mean next-token probability, log((1/M) sum_m softmax(logits_m)), as float32 (n, V); the
+    search's log-softmax leaves it unchanged. A token that one member forbids (-inf) keeps the
+    others' probability, weighted 1/M. ``select`` reorders every member's rows alike.
+
+    Raises:
+        ValueError: no members, or members whose vocabularies differ in size.
+    """
+
+    def __init__(self, steps: list[StepFunction]) -> None:
+        if not steps:
+            raise ValueError("EnsembleStep needs at least one step function")
+        self.steps = list(steps)
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        logp = [F.log_softmax(step(tokens).float(), dim=-1) for step in self.steps]
+        sizes = {lp.shape[-1] for lp in logp}
+        if len(sizes) > 1:
+            raise ValueError(f"ensemble members have different vocabulary sizes {sorted(sizes)}")
+        if len(logp) == 1:
+            return logp[0]
+        return torch.logsumexp(torch.stack(logp), dim=0) - math.log(len(logp))
+
+    def select(self, index: Tensor) -> EnsembleStep:
+        return EnsembleStep([step.select(index) for step in self.steps])
+
+
 def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
                        model_max_len: int) -> Tensor:
     """§6.1: maximum output length = input length + 50, i.e. ``a * len + b`` with a=1, b=50.
@@ -394,6 +426,6 @@ def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
 
 
 __all__ = [
-    "CachedStep", "Hypothesis", "SamplingConfig", "StepFunction", "UncachedStep", "beam_search",
-    "greedy_search", "length_penalty", "max_output_lengths",
+    "CachedStep", "EnsembleStep", "Hypothesis", "SamplingConfig", "StepFunction",
+    "UncachedStep", "beam_search", "greedy_search", "length_penalty", "max_output_lengths",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from aiayn.data.batching import pad_sources
 from aiayn.data.vocab import EOS_ID, Vocabulary
 from aiayn.decoding.search import (
     CachedStep,
+    EnsembleStep,
     Hypothesis,
     SamplingConfig,
     UncachedStep,
@@ -103,8 +104,10 @@ def translate_nbest(
     """Translate ``lines``; for each, up to ``nbest`` translations, best first.
 
     Args:
-        model: a :class:`~aiayn.model.Transformer` (unwrapped, not DDP); decoded in eval mode,
-            and left in the training/eval mode it came in.
+        model: a :class:`~aiayn.model.Transformer` (unwrapped, not DDP), or a sequence of them
+            sharing ``vocab``: an ensemble, whose members' next-token probabilities are
+            averaged at every step (:class:`~aiayn.decoding.search.EnsembleStep`). Decoded in
+            eval mode, and left in the training/eval mode each came in.
         beam_size: K; 1 = greedy search (§6.1 used 4). Ignored when ``sampling`` is given.
         alpha: length penalty, lp(Y) = ((5 + |Y|) / 6) ** alpha (§6.1 used 0.6).
         max_len_a, max_len_b: at most ``a * source_tokens + b`` output tokens (§6.1: a=1, b=50).
@@ -122,27 +125,44 @@ def translate_nbest(
 
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
-        ValueError: bad search settings.
+        ValueError: bad search settings; an empty ensemble, or members with different output
+            vocabulary sizes or on different devices.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if nbest > 1 and (beam_size == 1 or sampling is not None):
         raise ValueError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
-    was_training = model.training
-    model.eval()  # no dropout while decoding; the caller's mode is restored below
+    models = list(model) if isinstance(model, Sequence) else [model]
+    _check_ensemble(models)
+    was_training = [m.training for m in models]
+    for m in models:
+        m.eval()  # no dropout while decoding; the caller's mode is restored below
     try:
-        return _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b,
+        return _translate(models, vocab, lines, beam_size, alpha, max_len_a, max_len_b,
                           batch_size, nbest, sampling, bf16, use_cache, min_len, long_inputs,
                           warn, progress, beam_rules, fast)
     finally:
-        model.train(was_training)
+        for m, mode in zip(models, was_training):
+            m.train(mode)
 
 
-def _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batch_size, nbest,
+def _check_ensemble(models: list) -> None:
+    if not models:
+        raise ValueError("translate_nbest: an ensemble needs at least one model")
+    sizes = [m.tgt_embed.weight.shape[0] for m in models]
+    if len(set(sizes)) > 1:
+        raise ValueError(f"ensemble members have different output vocabularies ({sizes} "
+                         "tokens); an ensemble needs models trained on one vocabulary")
+    devices = [str(next(m.parameters()).device) for m in models]
+    if len(set(devices)) > 1:
+        raise ValueError(f"ensemble members are on different devices: {devices}")
+
+
+def _translate(models, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batch_size, nbest,
                sampling, bf16, use_cache, min_len, long_inputs, warn, progress,
                beam_rules="t2t", fast=None):
-    device = next(model.parameters()).device
-    max_len = model.config.max_len
+    device = next(models[0].parameters()).device
+    max_len = min(m.config.max_len for m in models)
     sources = encode_sources(vocab, lines, max_len, long_inputs=long_inputs, warn=warn)
     results: list[list[Translation]] = [[Translation("", 0.0, 0.0, [])] for _ in lines]
     todo = sorted((i for i, s in enumerate(sources) if len(s) > 1), key=lambda i: -len(sources[i]))
@@ -154,22 +174,26 @@ def _translate(model, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batc
         bar.update(len(lines) - len(todo))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext())
-    fast_decoder = None
+    fast_decoders = None
     if fast is not None:
         from aiayn.decoding.fast import FastDecoder
 
-        fast_decoder = FastDecoder(model, fast)
+        fast_decoders = [FastDecoder(m, fast) for m in models]
     with torch.inference_mode(), autocast:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             src = pad_sources([sources[i] for i in chunk]).to(device)  # (B, S)
-            memory, src_mask = model.encode(src)
-            src_lengths = src_mask.sum(dim=1) - 1  # without EOS
+            encoded = [model.encode(src) for model in models]  # (memory, src_mask) each
+            src_lengths = encoded[0][1].sum(dim=1) - 1  # without EOS
             max_lens = max_output_lengths(src_lengths, max_len_a, max_len_b, max_len)
-            if fast_decoder is not None:
-                step = fast_decoder.start(memory, src_mask, int(max_lens.max()) + 1)
+            if fast_decoders is not None:
+                steps = [decoder.start(memory, src_mask, int(max_lens.max()) + 1)
+                         for decoder, (memory, src_mask) in zip(fast_decoders, encoded)]
             else:
-                step = (CachedStep if use_cache else UncachedStep).start(model, memory, src_mask)
+                kind = CachedStep if use_cache else UncachedStep
+                steps = [kind.start(model, memory, src_mask)
+                         for model, (memory, src_mask) in zip(models, encoded)]
+            step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
             if sampling is not None or beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
                                                    sampling=sampling)]

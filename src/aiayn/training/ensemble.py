@@ -1,0 +1,191 @@
+"""Train the members of an ensemble side by side, one ``aiayn train`` process each.
+
+An ensemble (not in the paper) averages the next-token probabilities of models trained apart
+(:class:`aiayn.decoding.search.EnsembleStep`). On a CPU of few cores, N processes of
+``cores / N`` threads each use the cores better than one process of all of them: two
+one-thread processes on this project's 2-core machine made 1.2 times the updates of one
+two-thread process (the README's "Results"). So a time budget can train N models at once.
+
+Layout of an ensemble's run directory ``RUN``::
+
+    RUN/config.json          the shared config (each member's differs only in train.seed)
+    RUN/tokenizer.json       the one vocabulary, learned once, given to every member
+    RUN/member-K/            member K's own run directory (checkpoints, metrics, ...)
+    RUN/member-K.log         what member K's ``aiayn train`` printed
+
+Member K trains with ``train.seed + K - 1``, so member 1 is the single run of that seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from aiayn.errors import UserError
+
+
+def member_dirs(run_dir: str | Path, n: int) -> list[Path]:
+    """``RUN/member-1`` … ``RUN/member-n``."""
+    return [Path(run_dir) / f"member-{k}" for k in range(1, n + 1)]
+
+
+def members_found(run_dir: str | Path) -> int:
+    """How many ``member-K`` directories ``run_dir`` holds (0: not an ensemble's run)."""
+    n = 0
+    while (Path(run_dir) / f"member-{n + 1}").is_dir():
+        n += 1
+    return n
+
+
+def _last_step(member: Path) -> int | None:
+    """The newest training step in ``member/metrics.jsonl`` (None before the first)."""
+    path = member / "metrics.jsonl"
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def train_members(
+    config: Any,
+    run_dir: str | Path,
+    n: int,
+    *,
+    resume: bool = False,
+    overrides: list[str] | None = None,
+    device: str | None = None,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+    report_every_s: float = 300.0,
+) -> list[dict[str, Any]]:
+    """Train ``n`` members of ``config`` at once into ``RUN/member-K`` and wait for them.
+
+    Each member is an ``aiayn train`` process with ``threads`` threads (default: this
+    process's torch threads // n, at least 1) in its own session; SIGINT and SIGTERM sent to
+    this process are passed on, so every member writes its checkpoint and stops, and its
+    summary's ``stop_reason`` starts with "signal", as a single run's does.
+
+    Args:
+        config: the shared :class:`~aiayn.config.Config`; with ``resume``, ``RUN/config.json``
+            when it exists.
+        resume: members with a checkpoint continue from it; the others start anew.
+        overrides: ``--set`` values for resumed members (e.g. a longer budget).
+        report_every_s: seconds between progress lines (each member's newest step).
+
+    Returns:
+        Each member's ``train_summary.json``, with ``run_dir``, ``seed`` and ``threads``
+        added, in order.
+
+    Raises:
+        UserError: n < 2; a member that failed (its log's last lines are quoted; the others
+            are stopped with SIGTERM first).
+    """
+    import torch
+
+    from aiayn.checkpoint import list_checkpoints
+    from aiayn.config import load_config
+    from aiayn.data.vocab import Vocabulary
+    from aiayn.fileio import write_json_atomic
+    from aiayn.training.run import load_split
+
+    if n < 2:
+        raise UserError(f"an ensemble needs at least 2 members, got {n}")
+    run_dir = Path(run_dir)
+    dirs = member_dirs(run_dir, n)
+    if not resume:  # before anything of an earlier run is overwritten
+        for member in dirs:
+            if list_checkpoints(member):
+                raise UserError(f"{member} already holds checkpoints: add --resume to continue "
+                                "that ensemble, or choose another --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if resume and (run_dir / "config.json").is_file():
+        config = load_config(str(run_dir / "config.json"))
+    else:
+        write_json_atomic(run_dir / "config.json", config.to_dict())
+    vocab_path = run_dir / "tokenizer.json"
+    if not (resume and vocab_path.is_file()):  # learned once: every member shares it
+        corpus = load_split(config.data, "train")
+        log(f"aiayn pipeline: learning the shared vocabulary ({config.data.vocab_size} "
+            f"{config.data.vocab_kind}) for {n} ensemble members")
+        Vocabulary.learn(corpus.src + corpus.tgt, config.data.vocab_size,
+                         config.data.vocab_kind).save(run_dir)
+    threads = threads or max(1, torch.get_num_threads() // n)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    procs: list[subprocess.Popen] = []
+    logs: list[Path] = []
+    seed0 = config.train.seed
+    for k, member in enumerate(dirs, 1):
+        cmd = [sys.executable, "-m", "aiayn", "train", "--run-dir", str(member),
+               "--no-progress"]
+        if resume and list_checkpoints(member):
+            cmd += ["--resume"] + [a for o in overrides or [] for a in ("--set", o)]
+        else:
+            cmd += ["--config", str(run_dir / "config.json"), "--vocab", str(vocab_path),
+                    "--set", f"train.seed={seed0 + k - 1}"]
+        if device:
+            cmd += ["--device", device]
+        logs.append(run_dir / f"member-{k}.log")
+        with logs[-1].open("a", encoding="utf-8") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+    log(f"aiayn pipeline: training {n} ensemble members at once, {threads} thread(s) each "
+        f"(seeds {seed0}-{seed0 + n - 1}); logs in " + ", ".join(str(p) for p in logs))
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        last_report = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                forward(signal.SIGTERM, None)
+                for p in procs:
+                    p.wait()
+                k = failed[0]
+                raise UserError(f"ensemble member {k + 1} failed (exit {procs[k].returncode}); "
+                                f"the others were stopped. The end of {logs[k]}:\n"
+                                f"{_tail(logs[k])}")
+            time.sleep(1.0)
+            if time.monotonic() - last_report >= report_every_s:
+                last_report = time.monotonic()
+                log("aiayn pipeline: " + ", ".join(
+                    f"member {k}: step {_last_step(d) or 0}" for k, d in enumerate(dirs, 1)))
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    summaries = []
+    for k, (p, member) in enumerate(zip(procs, dirs), 1):
+        path = member / "train_summary.json"
+        if p.returncode != 0 or not path.is_file():  # a signal still ends in a summary
+            raise UserError(f"ensemble member {k} failed (exit {p.returncode}); the end of "
+                            f"{logs[k - 1]}:\n{_tail(logs[k - 1])}")
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        summary.update(run_dir=str(member), seed=seed0 + k - 1, threads=threads)
+        summaries.append(summary)
+    return summaries

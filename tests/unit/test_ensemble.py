@@ -1,0 +1,137 @@
+"""Ensemble decoding: :class:`EnsembleStep` averages its members' next-token probabilities, on
+real (random-weight) Transformers, through beam search, the fast decoder and translate_nbest."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn.config import load_config
+from aiayn.data.batching import pad_sources
+from aiayn.data.vocab import BOS_ID, EOS_ID, Vocabulary
+from aiayn.decoding import CachedStep, EnsembleStep, translate_nbest
+from aiayn.model import Transformer
+
+TEXTS = ["a man is walking down the street with a dog",
+         "two children play football in the park",
+         "ein mann geht mit einem hund die straße entlang",
+         "zwei kinder spielen fußball im park"] * 10
+LINES = ["a man", "two children play football in the park with a dog", "zwei kinder",
+         "ein mann geht", "the park"]
+
+
+def tiny_model(vocab_size: int, seed: int) -> Transformer:
+    cfg = dataclasses.replace(load_config("tiny").model, vocab_size=vocab_size)
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # sharper distributions than a fresh init's, so members disagree
+        model.tgt_embed.weight.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocabulary:
+    return Vocabulary.learn(TEXTS, 80)
+
+
+@pytest.fixture(scope="module")
+def members(vocab) -> list[Transformer]:
+    return [tiny_model(len(vocab), seed) for seed in (1, 2, 3)]
+
+
+def mean_log_probs(models, src: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+    """log of the members' mean next-token probability after each prefix position, from the
+    whole-prefix decoder (no cache): (n, t, V)."""
+    probs = []
+    for model in models:
+        memory, mask = model.encode(src)
+        probs.append(F.softmax(model.decode(prefix, memory, mask).float(), dim=-1))
+    return torch.stack(probs).mean(dim=0).log()
+
+
+def test_ensemble_step_is_the_log_of_the_mean_probability(members, vocab):
+    src = pad_sources([vocab.encode(x) + [EOS_ID] for x in LINES[:3]])  # (3, S)
+    with torch.no_grad():
+        steps = [CachedStep.start(m, *m.encode(src)) for m in members]
+        step = EnsembleStep(steps)
+        prefix = torch.full((3, 1), BOS_ID)
+        got = [step(prefix[:, 0])]
+        # feed tokens, reorder rows (as beam search does) and feed again
+        for tokens, index in (([7, 9, 11], None), ([12, 13, 14], [2, 0, 0])):
+            if index is not None:
+                index = torch.tensor(index)
+                step, src, prefix = step.select(index), src[index], prefix[index]
+                got = [g[index] for g in got]
+            prefix = torch.cat([prefix, torch.tensor(tokens)[:, None]], dim=1)
+            got.append(step(prefix[:, -1]))
+        want = mean_log_probs(members, src, prefix)  # (3, 3, V)
+    assert torch.stack(got, dim=1).shape == want.shape
+    torch.testing.assert_close(torch.stack(got, dim=1), want, atol=1e-5, rtol=1e-5)
+    # members that disagree: the ensemble is neither of them
+    one = mean_log_probs(members[:1], src, prefix)
+    assert (one - want).abs().max() > 0.1
+
+
+def test_a_token_one_member_forbids_keeps_the_others_share():
+    class Fixed:
+        def __init__(self, logits):
+            self.logits = torch.tensor(logits)
+
+        def __call__(self, tokens):
+            return self.logits.expand(tokens.shape[0], -1)
+
+        def select(self, index):
+            return self
+
+    inf = float("-inf")
+    p = EnsembleStep([Fixed([0.0, inf, 1.0]), Fixed([0.0, 2.0, 1.0])])(torch.zeros(2)).exp()
+    q = F.softmax(torch.tensor([0.0, 2.0, 1.0]), dim=0)
+    r = F.softmax(torch.tensor([0.0, inf, 1.0]), dim=0)
+    torch.testing.assert_close(p[0], (q + r) / 2)
+    assert float(p[0, 1]) == pytest.approx(float(q[1]) / 2)
+    assert float(p[0].sum()) == pytest.approx(1.0)
+
+
+def test_an_ensemble_of_one_model_twice_is_that_model(members, vocab):
+    one = translate_nbest(members[0], vocab, LINES, beam_size=4, nbest=2, max_len_b=8)
+    twice = translate_nbest([members[0], members[0]], vocab, LINES, beam_size=4, nbest=2,
+                            max_len_b=8)
+    assert [[t.tokens for t in r] for r in twice] == [[t.tokens for t in r] for r in one]
+    for a, b in zip(one, twice):
+        assert [t.score for t in b] == pytest.approx([t.score for t in a], abs=1e-4)
+
+
+def test_ensemble_translations_score_the_mean_probability(members, vocab):
+    """The log_prob beam search reports for an ensemble's output is the sum of the log mean
+    probabilities of its tokens, recomputed here without the cache."""
+    out = translate_nbest(members, vocab, LINES, beam_size=4, max_len_b=8)
+    singles = [translate_nbest(m, vocab, LINES, beam_size=4, max_len_b=8) for m in members]
+    with torch.no_grad():
+        for line, (t,) in zip(LINES, out):
+            src = torch.tensor([vocab.encode(line) + [EOS_ID]])
+            prefix = torch.tensor([[BOS_ID] + t.tokens[:-1]])
+            logp = mean_log_probs(members, src, prefix)[0]
+            want = float(logp.gather(1, torch.tensor(t.tokens)[:, None]).sum())
+            assert t.log_prob == pytest.approx(want, abs=1e-3)
+    assert [r[0].tokens for r in out] not in [[r[0].tokens for r in s] for s in singles]
+
+
+def test_ensemble_with_the_fast_decoder(members, vocab):
+    ref = translate_nbest(members, vocab, LINES, beam_size=4, max_len_b=8)
+    fast = translate_nbest(members, vocab, LINES, beam_size=4, max_len_b=8, fast="fp32")
+    assert [r[0].tokens for r in fast] == [r[0].tokens for r in ref]
+
+
+def test_bad_ensembles_are_refused(members, vocab):
+    with pytest.raises(ValueError, match="at least one model"):
+        translate_nbest([], vocab, LINES)
+    other = tiny_model(len(vocab) + 5, seed=1)
+    with pytest.raises(ValueError, match="different output vocabularies"):
+        translate_nbest([members[0], other], vocab, LINES)
+    with pytest.raises(ValueError, match="at least one step"):
+        EnsembleStep([])
+    for model in members:
+        assert not model.training  # left as they came
