@@ -116,7 +116,7 @@ def test_pipeline_trains_and_decodes_an_ensemble(tmp_path: Path, capsys) -> None
     assert width in ("2", "1") and results["valid_bleu_by_alpha"] == \
         results["valid_bleu_by_average"][width]
     last = ["step-00000030", "step-00000060"][-int(width):]
-    assert results["averaged"] == [f"member-{k}/{s}" for k in (1, 2) for s in last]
+    assert results["averaged"] == [f"member-{k}/checkpoints/{s}" for k in (1, 2) for s in last]
     weights = [(run_dir / f"member-{k}" / "averaged" / "model.safetensors").read_bytes()
                for k in (1, 2)]
     assert weights[0] != weights[1]  # two seeds, two models

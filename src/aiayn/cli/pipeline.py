@@ -118,12 +118,12 @@ def run(args: argparse.Namespace) -> int:
     if test is None or len(test) == 0:
         raise ValueError(f"aiayn pipeline needs a named dataset with a test split, not "
                          f"data.dataset={d.dataset!r}; use aiayn train / average / evaluate")
-    # the run's own keep_last on --resume (its config.json), so a wider average fails now and
-    # not after an hour of training
     found_members = members_found(run_dir)
     if args.resume and found_members and args.ensemble != found_members:
         raise UserError(f"{run_dir} holds an ensemble of {found_members} members: resume it "
                         f"with --ensemble {found_members}")
+    # the run's own keep_last on --resume (its config.json), so a wider average fails now and
+    # not after an hour of training
     kept = config.train.keep_last
     if args.resume and (run_dir / "config.json").is_file():
         kept = load_config(str(run_dir / "config.json"), overrides).train.keep_last
@@ -304,7 +304,12 @@ def run(args: argparse.Namespace) -> int:
     for k, by_alpha in by_average.items():
         print(f"  validation set, same beam, headline protocol, {_described(k)}: " + ", ".join(
             f"BLEU {b:.2f} at alpha {a}" for a, b in by_alpha.items()))
-    print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps; "
+    for m in members:
+        print(f"  ensemble member {Path(m['run_dir']).name} (seed {m['seed']}, "
+              f"{m['threads']} thread(s)): {m['steps']} steps, {m['epochs']} epochs, "
+              f"val nll {m.get('valid_nll', float('nan')):.3f}")
+    print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps"
+          + (" (all members)" if members else "") + "; "
           f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, {png.name}, "
           f"{hyp_path.name})")
     return 0

@@ -30,6 +30,8 @@ from typing import Any
 
 from aiayn.errors import UserError
 
+STOP_TIMEOUT_S = 300.0  # seconds a member gets to save its checkpoint and exit after SIGTERM
+
 
 def member_dirs(run_dir: str | Path, n: int) -> list[Path]:
     """``RUN/member-1`` … ``RUN/member-n``."""
@@ -134,39 +136,37 @@ def train_members(
     threads = threads or max(1, torch.get_num_threads() // n)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     procs: list[subprocess.Popen] = []
-    logs: list[Path] = []
+    logs = [run_dir / f"member-{k}.log" for k in range(1, n + 1)]
     seed0 = config.train.seed
-    for k, member in enumerate(dirs, 1):
-        cmd = [sys.executable, "-m", "aiayn", "train", "--run-dir", str(member),
-               "--no-progress"]
-        if resume and list_checkpoints(member):
-            cmd += ["--resume"] + [a for o in overrides or [] for a in ("--set", o)]
-        else:
-            cmd += ["--config", str(run_dir / "config.json"), "--vocab", str(vocab_path),
-                    "--set", f"train.seed={seed0 + k - 1}"]
-        if device:
-            cmd += ["--device", device]
-        logs.append(run_dir / f"member-{k}.log")
-        with logs[-1].open("a", encoding="utf-8") as out:
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True))
-    log(f"aiayn pipeline: training {n} ensemble members at once, {threads} thread(s) each "
-        f"(seeds {seed0}-{seed0 + n - 1}); logs in " + ", ".join(str(p) for p in logs))
 
     def forward(signum, _frame):
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
+    # the members run in sessions of their own (a terminal's Ctrl-C reaches this process only,
+    # and is passed on once), so the handlers go in before the first member starts
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        for k, (member, log_path) in enumerate(zip(dirs, logs), 1):
+            cmd = [sys.executable, "-m", "aiayn", "train", "--run-dir", str(member),
+                   "--no-progress"]
+            if resume and list_checkpoints(member):
+                cmd += ["--resume"] + [a for o in overrides or [] for a in ("--set", o)]
+            else:
+                cmd += ["--config", str(run_dir / "config.json"), "--vocab", str(vocab_path),
+                        "--set", f"train.seed={seed0 + k - 1}"]
+            if device:
+                cmd += ["--device", device]
+            with log_path.open("a", encoding="utf-8") as out:
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                              env=env, start_new_session=True))
+        log(f"aiayn pipeline: training {n} ensemble members at once, {threads} thread(s) "
+            f"each (seeds {seed0}-{seed0 + n - 1}); logs in " + ", ".join(map(str, logs)))
         last_report = time.monotonic()
         while any(p.poll() is None for p in procs):
             failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
             if failed:
-                forward(signal.SIGTERM, None)
-                for p in procs:
-                    p.wait()
                 k = failed[0]
                 raise UserError(f"ensemble member {k + 1} failed (exit {procs[k].returncode}); "
                                 f"the others were stopped. The end of {logs[k]}:\n"
@@ -176,7 +176,14 @@ def train_members(
                 last_report = time.monotonic()
                 log("aiayn pipeline: " + ", ".join(
                     f"member {k}: step {_last_step(d) or 0}" for k, d in enumerate(dirs, 1)))
-    finally:
+    finally:  # on any way out, no member is left running: each saves and stops on SIGTERM
+        forward(signal.SIGTERM, None)
+        for p in procs:
+            try:
+                p.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # a member that does not stop is not waited for
+                p.kill()
+                p.wait()
         for sig, handler in old.items():
             signal.signal(sig, handler)
     summaries = []
