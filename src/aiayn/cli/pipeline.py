@@ -305,11 +305,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  validation set, same beam, headline protocol, {_described(k)}: " + ", ".join(
             f"BLEU {b:.2f} at alpha {a}" for a, b in by_alpha.items()))
     for m in members:
-        print(f"  ensemble member {Path(m['run_dir']).name} (seed {m['seed']}, "
+        print(f"  ensemble {Path(m['run_dir']).name} (seed {m['seed']}, "
               f"{m['threads']} thread(s)): {m['steps']} steps, {m['epochs']} epochs, "
               f"val nll {m.get('valid_nll', float('nan')):.3f}")
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps"
           + (" (all members)" if members else "") + "; "
-          f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, {png.name}, "
+          f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, "
+          f"{png.relative_to(run_dir) if members else png.name}, "
           f"{hyp_path.name})")
     return 0
