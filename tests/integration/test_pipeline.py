@@ -163,6 +163,40 @@ def test_a_signal_stops_every_ensemble_member_with_a_checkpoint(tmp_path: Path,
         assert 0 < summary["steps"] < 100000
         assert (run_dir / f"member-{k}" / "checkpoints" /
                 f"step-{summary['steps']:08d}").is_dir()
+    # a new run, one model or an ensemble, is refused before it writes over this one's files
+    shared = {name: (run_dir / name).read_bytes() for name in ("config.json", "tokenizer.json")}
+    for extra in (["--ensemble", "2"], ["--ensemble", "1"]):
+        assert main(ENSEMBLE + ["--run-dir", str(run_dir), *extra]) == 2
+        assert "already holds an ensemble of 2: add --resume --ensemble 2" in \
+            capsys.readouterr().err
+    assert {name: (run_dir / name).read_bytes() for name in shared} == shared
+
+
+def test_a_signal_while_the_members_start_is_a_stop_not_a_failure(tmp_path: Path,
+                                                                   capsys) -> None:
+    """Before a member's training loop catches signals (Python and torch still loading), the
+    forwarded SIGINT ends it with exit 130: the job stops as a single run would, and a resume
+    starts both members."""
+    run_dir = tmp_path / "run"
+
+    def interrupt_at_start() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (run_dir / "member-1.log").exists():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=interrupt_at_start, daemon=True)
+    watcher.start()
+    code = main(ENSEMBLE + ["--run-dir", str(run_dir), "--set", "train.max_steps=20"])
+    watcher.join()
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGINT, err
+    assert "failed" not in err and "--resume" in err and "--ensemble 2" in err
+    assert main(ENSEMBLE + ["--run-dir", str(run_dir), "--resume"]) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [m["steps"] for m in results["members"]] == [20, 20]
 
 
 def _read(path: Path) -> bytes:

@@ -122,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and found_members and args.ensemble != found_members:
         raise UserError(f"{run_dir} holds an ensemble of {found_members} members: resume it "
                         f"with --ensemble {found_members}")
+    if not args.resume and (found_members or args.ensemble > 1 and list_checkpoints(run_dir)):
+        # before a new run writes its config and vocabulary over those of the one there
+        what = f"an ensemble of {found_members}" if found_members else "a run's checkpoints"
+        raise UserError(f"{run_dir} already holds {what}: add --resume"
+                        + (f" --ensemble {found_members}" if found_members else "")
+                        + " to continue it, or choose another --run-dir")
     # the run's own keep_last on --resume (its config.json), so a wider average fails now and
     # not after an hour of training
     kept = config.train.keep_last
@@ -150,7 +156,9 @@ def run(args: argparse.Namespace) -> int:
     if summary["stop_reason"].startswith("signal"):  # Ctrl-C / SIGTERM: stop here
         name = summary["stop_reason"].split()[-1]
         signum = getattr(signal, name, signal.SIGINT)
-        print(f"aiayn pipeline: training stopped by {name} at step {summary['steps']}; the "
+        at = (", ".join(f"{Path(m['run_dir']).name} at step {m['steps']}" for m in members)
+              if members else f"at step {summary['steps']}")
+        print(f"aiayn pipeline: training stopped by {name} {at}; the "
               f"checkpoints are in {run_dir}. Continue with: aiayn pipeline --resume --run-dir "
               f"{run_dir} --preset {args.preset}"
               + (f" --ensemble {args.ensemble}" if args.ensemble > 1 else ""), file=sys.stderr)

@@ -8,12 +8,14 @@ two-thread process (the README's "Results"). So a time budget can train N models
 
 Layout of an ensemble's run directory ``RUN``::
 
+    RUN/ensemble.json        {"members": N}
     RUN/config.json          the shared config (each member's differs only in train.seed)
     RUN/tokenizer.json       the one vocabulary, learned once, given to every member
     RUN/member-K/            member K's own run directory (checkpoints, metrics, ...)
     RUN/member-K.log         what member K's ``aiayn train`` printed
 
-Member K trains with ``train.seed + K - 1``, so member 1 is the single run of that seed.
+Member K trains with ``train.seed + K - 1`` (member 1 has the seed of a single run, but fewer
+threads, so under a time budget it makes fewer updates than that run).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from aiayn.errors import UserError
 
+ENSEMBLE_FILE = "ensemble.json"  # {"members": N}, written before the first member starts
 STOP_TIMEOUT_S = 300.0  # seconds a member gets to save its checkpoint and exit after SIGTERM
 
 
@@ -39,11 +42,15 @@ def member_dirs(run_dir: str | Path, n: int) -> list[Path]:
 
 
 def members_found(run_dir: str | Path) -> int:
-    """How many ``member-K`` directories ``run_dir`` holds (0: not an ensemble's run)."""
-    n = 0
-    while (Path(run_dir) / f"member-{n + 1}").is_dir():
-        n += 1
-    return n
+    """How many members the ensemble in ``run_dir`` has (``RUN/ensemble.json``); 0: not an
+    ensemble's run directory."""
+    path = Path(run_dir) / ENSEMBLE_FILE
+    if not path.is_file():
+        return 0
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8"))["members"])
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: not an ensemble's record (want {{\"members\": N}})") from None
 
 
 def _last_step(member: Path) -> int | None:
@@ -61,6 +68,28 @@ def _last_step(member: Path) -> int | None:
         except (ValueError, KeyError, TypeError):
             continue
     return None
+
+
+def _stopped_by_signal(returncode: int | None) -> bool:
+    """A member's exit that a forwarded SIGINT or SIGTERM explains (before its training loop
+    caught signals): killed by it, or Python's 128 + signal number."""
+    numbers = {int(signal.SIGINT), int(signal.SIGTERM)}
+    return returncode is not None and (-returncode in numbers or returncode - 128 in numbers)
+
+
+def _parent_death_signal():
+    """A function for ``preexec_fn`` that asks Linux to send the member SIGTERM when the job
+    dies, even by SIGKILL, so that no member trains on alone (None elsewhere). Looked up here,
+    in the parent: the forked child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -85,15 +114,18 @@ def train_members(
     """Train ``n`` members of ``config`` at once into ``RUN/member-K`` and wait for them.
 
     Each member is an ``aiayn train`` process with ``threads`` threads (default: this
-    process's torch threads // n, at least 1) in its own session; SIGINT and SIGTERM sent to
-    this process are passed on, so every member writes its checkpoint and stops, and its
-    summary's ``stop_reason`` starts with "signal", as a single run's does.
+    process's torch threads // n, at least 1) in its own session. SIGINT and SIGTERM sent to
+    this process are passed on (SIGHUP as SIGTERM), so every member writes its checkpoint and
+    stops, and its summary's ``stop_reason`` starts with "signal", as a single run's does; a
+    member that the signal stopped before its training began, or that was not started yet,
+    gets a summary of 0 updates with that stop reason. Each member also gets SIGTERM if this
+    process dies (Linux).
 
     Args:
         config: the shared :class:`~aiayn.config.Config`; with ``resume``, ``RUN/config.json``
             when it exists.
         resume: members with a checkpoint continue from it; the others start anew.
-        overrides: ``--set`` values for resumed members (e.g. a longer budget).
+        overrides: ``--set`` values for every member (e.g. a longer budget on a resume).
         report_every_s: seconds between progress lines (each member's newest step).
 
     Returns:
@@ -126,6 +158,7 @@ def train_members(
         config = load_config(str(run_dir / "config.json"))
     else:
         write_json_atomic(run_dir / "config.json", config.to_dict())
+        write_json_atomic(run_dir / ENSEMBLE_FILE, {"members": n})
     vocab_path = run_dir / "tokenizer.json"
     if not (resume and vocab_path.is_file()):  # learned once: every member shares it
         corpus = load_split(config.data, "train")
@@ -138,34 +171,47 @@ def train_members(
     procs: list[subprocess.Popen] = []
     logs = [run_dir / f"member-{k}.log" for k in range(1, n + 1)]
     seed0 = config.train.seed
+    stopped_by: list[int] = []  # the signal that asked the members to stop, once one came
 
     def forward(signum, _frame):
+        if not stopped_by:
+            stopped_by.append(signum)
+        if signum not in (signal.SIGINT, signal.SIGTERM):  # SIGHUP: a member saves on SIGTERM
+            signum = signal.SIGTERM
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
     # the members run in sessions of their own (a terminal's Ctrl-C reaches this process only,
     # and is passed on once), so the handlers go in before the first member starts
-    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    die_with_parent = _parent_death_signal()
+    caught = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP")
+                                                else [])
+    old = {sig: signal.signal(sig, forward) for sig in caught}
     try:
         for k, (member, log_path) in enumerate(zip(dirs, logs), 1):
+            if stopped_by:  # a signal came while the members were starting: start no more
+                break
             cmd = [sys.executable, "-m", "aiayn", "train", "--run-dir", str(member),
                    "--no-progress"]
             if resume and list_checkpoints(member):
-                cmd += ["--resume"] + [a for o in overrides or [] for a in ("--set", o)]
+                cmd += ["--resume"]
             else:
                 cmd += ["--config", str(run_dir / "config.json"), "--vocab", str(vocab_path),
                         "--set", f"train.seed={seed0 + k - 1}"]
+            cmd += [a for o in overrides or [] for a in ("--set", o)]
             if device:
                 cmd += ["--device", device]
             with log_path.open("a", encoding="utf-8") as out:
                 procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                              env=env, start_new_session=True))
+                                              env=env, start_new_session=True,
+                                              preexec_fn=die_with_parent))
         log(f"aiayn pipeline: training {n} ensemble members at once, {threads} thread(s) "
             f"each (seeds {seed0}-{seed0 + n - 1}); logs in " + ", ".join(map(str, logs)))
         last_report = time.monotonic()
         while any(p.poll() is None for p in procs):
-            failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)]
+            failed = [k for k, p in enumerate(procs) if p.poll() not in (None, 0)
+                      and not (stopped_by and _stopped_by_signal(p.returncode))]
             if failed:
                 k = failed[0]
                 raise UserError(f"ensemble member {k + 1} failed (exit {procs[k].returncode}); "
@@ -177,21 +223,31 @@ def train_members(
                 log("aiayn pipeline: " + ", ".join(
                     f"member {k}: step {_last_step(d) or 0}" for k, d in enumerate(dirs, 1)))
     finally:  # on any way out, no member is left running: each saves and stops on SIGTERM
-        forward(signal.SIGTERM, None)
+        if any(p.poll() is None for p in procs):
+            forward(signal.SIGTERM, None)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for p in procs:
             try:
-                p.wait(timeout=STOP_TIMEOUT_S)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:  # a member that does not stop is not waited for
                 p.kill()
                 p.wait()
         for sig, handler in old.items():
             signal.signal(sig, handler)
     summaries = []
-    for k, (p, member) in enumerate(zip(procs, dirs), 1):
+    for k, member in enumerate(dirs, 1):
+        p = procs[k - 1] if k <= len(procs) else None
         path = member / "train_summary.json"
-        if p.returncode != 0 or not path.is_file():  # a signal still ends in a summary
-            raise UserError(f"ensemble member {k} failed (exit {p.returncode}); the end of "
-                            f"{logs[k - 1]}:\n{_tail(logs[k - 1])}")
+        if stopped_by and (p is None or p.returncode != 0 or not path.is_file()):
+            # stopped before its training loop began (or never started): nothing trained
+            summaries.append({"stop_reason": f"signal {signal.Signals(stopped_by[0]).name}",
+                              "steps": _last_step(member) or 0, "epochs": 0, "elapsed_s": 0.0,
+                              "target_tokens": 0, "parameters": 0, "run_dir": str(member),
+                              "seed": seed0 + k - 1, "threads": threads})
+            continue
+        if p is None or p.returncode != 0 or not path.is_file():
+            raise UserError(f"ensemble member {k} failed (exit {p and p.returncode}); the end "
+                            f"of {logs[k - 1]}:\n{_tail(logs[k - 1])}")
         summary = json.loads(path.read_text(encoding="utf-8"))
         summary.update(run_dir=str(member), seed=seed0 + k - 1, threads=threads)
         summaries.append(summary)
