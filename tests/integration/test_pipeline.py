@@ -142,19 +142,10 @@ def test_a_signal_stops_every_ensemble_member_with_a_checkpoint(tmp_path: Path,
                                                                 capsys) -> None:
     run_dir = tmp_path / "run"
 
-    def interrupt_once_training() -> None:  # both members past their first logged steps
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if all(b'"kind": "train"' in _read(run_dir / f"member-{k}" / "metrics.jsonl")
-                   for k in (1, 2)):
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=interrupt_once_training, daemon=True)
-    watcher.start()
-    code = main(ENSEMBLE + ["--run-dir", str(run_dir), "--set", "train.max_steps=100000"])
-    watcher.join()
+    code = _interrupted_once(  # both members past their first logged steps
+        lambda: all(b'"kind": "train"' in _read(run_dir / f"member-{k}" / "metrics.jsonl")
+                    for k in (1, 2)),
+        ENSEMBLE + ["--run-dir", str(run_dir), "--set", "train.max_steps=100000"])
     assert code == 128 + signal.SIGINT
     assert "--ensemble 2" in capsys.readouterr().err  # the resume command names it
     for k in (1, 2):
@@ -179,18 +170,8 @@ def test_a_signal_while_the_members_start_is_a_stop_not_a_failure(tmp_path: Path
     starts both members."""
     run_dir = tmp_path / "run"
 
-    def interrupt_at_start() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if (run_dir / "member-1.log").exists():
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=interrupt_at_start, daemon=True)
-    watcher.start()
-    code = main(ENSEMBLE + ["--run-dir", str(run_dir), "--set", "train.max_steps=20"])
-    watcher.join()
+    code = _interrupted_once(lambda: (run_dir / "member-1.log").exists(),
+                             ENSEMBLE + ["--run-dir", str(run_dir), "--set", "train.max_steps=20"])
     err = capsys.readouterr().err
     assert code == 128 + signal.SIGINT, err
     assert "failed" not in err and "--resume" in err and "--ensemble 2" in err
@@ -204,3 +185,21 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         return b""
+
+
+def _interrupted_once(ready, job: list[str]) -> int:
+    """Run ``aiayn`` with ``job`` while a thread sends this process SIGINT as soon as
+    ``ready()`` holds (polled every 10 ms, for at most 120 s); the job's exit code."""
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if ready():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    code = main(job)
+    watcher.join()
+    return code
