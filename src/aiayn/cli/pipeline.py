@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
     from aiayn.errors import UserError
     from aiayn.training.average import average_checkpoints
-    from aiayn.training.ensemble import member_dirs, members_found, train_members
+    from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
+                                         train_members)
     from aiayn.training.run import load_split, run_training
 
     def say(msg: str) -> None:
@@ -122,12 +123,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and found_members and args.ensemble != found_members:
         raise UserError(f"{run_dir} holds an ensemble of {found_members} members: resume it "
                         f"with --ensemble {found_members}")
-    if not args.resume and (found_members or args.ensemble > 1 and list_checkpoints(run_dir)):
-        # before a new run writes its config and vocabulary over those of the one there
-        what = f"an ensemble of {found_members}" if found_members else "a run's checkpoints"
-        raise UserError(f"{run_dir} already holds {what}: add --resume"
-                        + (f" --ensemble {found_members}" if found_members else "")
-                        + " to continue it, or choose another --run-dir")
+    if not args.resume:  # before a new run writes over the config and vocabulary there
+        check_new_run(run_dir, args.ensemble)
     # the run's own keep_last on --resume (its config.json), so a wider average fails now and
     # not after an hour of training
     kept = config.train.keep_last
@@ -292,7 +289,8 @@ def run(args: argparse.Namespace) -> int:
         results["multi30k_tok_reference"] = ref_name
     results["pipeline_wall_s"] = round(time.monotonic() - t0, 1)
     write_json_atomic(run_dir / "results.json", results)
-    png = [plot_run(run) for run in runs][0]
+    pngs = [plot_run(run) for run in runs]  # one figure per model trained
+    png = pngs[0]
     if args.json:
         print(json.dumps(results))
         return 0

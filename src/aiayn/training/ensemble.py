@@ -53,6 +53,24 @@ def members_found(run_dir: str | Path) -> int:
         raise UserError(f"{path}: not an ensemble's record (want {{\"members\": N}})") from None
 
 
+def check_new_run(run_dir: str | Path, n: int) -> None:
+    """Refuse a new run of ``n`` models (1: a single run) in ``run_dir`` that would write its
+    config and vocabulary over an earlier ensemble's, or an ensemble over a run's checkpoints.
+
+    Raises:
+        UserError: naming what ``run_dir`` holds and the ``--resume`` that continues it.
+    """
+    from aiayn.checkpoint import list_checkpoints
+
+    found = members_found(run_dir)
+    if found or any(list_checkpoints(d) for d in member_dirs(run_dir, n)):
+        raise UserError(f"{run_dir} already holds an ensemble of {found or n}: add --resume "
+                        f"--ensemble {found or n} to continue it, or choose another --run-dir")
+    if n > 1 and list_checkpoints(run_dir):
+        raise UserError(f"{run_dir} already holds a run's checkpoints: add --resume to continue "
+                        "it, or choose another --run-dir")
+
+
 def _last_step(member: Path) -> int | None:
     """The newest training step in ``member/metrics.jsonl`` (None before the first)."""
     path = member / "metrics.jsonl"
@@ -148,11 +166,8 @@ def train_members(
         raise UserError(f"an ensemble needs at least 2 members, got {n}")
     run_dir = Path(run_dir)
     dirs = member_dirs(run_dir, n)
-    if not resume:  # before anything of an earlier run is overwritten
-        for member in dirs:
-            if list_checkpoints(member):
-                raise UserError(f"{member} already holds checkpoints: add --resume to continue "
-                                "that ensemble, or choose another --run-dir")
+    if not resume:
+        check_new_run(run_dir, n)
     run_dir.mkdir(parents=True, exist_ok=True)
     if resume and (run_dir / "config.json").is_file():
         config = load_config(str(run_dir / "config.json"))
