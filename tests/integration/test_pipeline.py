@@ -126,10 +126,13 @@ def test_pipeline_trains_and_decodes_an_ensemble(tmp_path: Path, capsys) -> None
     # a resume must say it is an ensemble's, and then finds both members finished
     assert main(job + ["--resume", "--ensemble", "1"]) == 2
     assert "--ensemble 2" in capsys.readouterr().err
-    assert main(job + ["--resume"]) == 0
+    # ... and a width past the two checkpoints each member saved (keep_last is 3) averages the
+    # same two as width 2: it is not decoded again
+    assert main(job + ["--resume", "--average", "2", "3", "1"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["train_steps"] == 120
     assert again["valid_bleu_by_average"] == results["valid_bleu_by_average"]
+    assert list(again["valid_bleu_by_average"]) == ["2", "1"]
 
     # a member that cannot start stops the job with its own error, and the other with it
     (run_dir / "member-2" / "config.json").write_text("{not json", encoding="utf-8")

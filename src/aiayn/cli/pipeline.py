@@ -206,7 +206,19 @@ def run(args: argparse.Namespace) -> int:
     alphas = args.alphas or [dc.alpha]
     valid = load_split(d, "valid")
     by_average: dict[str, dict[str, float]] = {}
-    candidates: list[int | str] = [*widths]
+    # a width past the checkpoints a short run saved averages the same ones as a narrower width:
+    # it is scored once, under the first width given
+    saved = [len(list_checkpoints(run)) for run in runs]
+    candidates: list[int | str] = []
+    first_of: dict[tuple[int, ...], int] = {}
+    for k in widths:
+        same = tuple(min(k, n) for n in saved)  # how many checkpoints each run would average
+        if same in first_of:
+            say(f"[2/4] --average {k}: the run saved {max(saved)} checkpoints, the same as "
+                f"--average {first_of[same]}; scored once")
+            continue
+        first_of[same] = k
+        candidates.append(k)
     # the run's own config (a resumed run may not repeat its --set train.ema_decay)
     ema_decay = load_config(str(runs[0] / "config.json")).train.ema_decay
     if ema_decay > 0 and all(is_checkpoint(run / "ema") for run in runs):
