@@ -23,12 +23,16 @@ TEXTS = ["A man in a red shirt rides a bike.", "Two dogs play in the snow.",
          "Ein Mann in einem roten Hemd fährt Fahrrad.", "Zwei Hunde spielen im Schnee."] * 10
 
 
-def tiny_checkpoint(path: Path) -> Path:
-    """N=2, d_model 64, h=4, a 90-token BPE; outputs of at most 6 tokens keep decoding fast."""
-    vocab = Vocabulary.learn(TEXTS, 90)
+def tiny_checkpoint(path: Path, preprocess: str = "none") -> Path:
+    """N=2, d_model 64, h=4, a 90-token BPE; outputs of at most 6 tokens keep decoding fast.
+    ``preprocess``: the model's ``data.preprocess`` (its vocabulary is learned on that text)."""
+    from aiayn.data.text import preprocess_lines
+
     cfg = load_config("tiny")
+    vocab = Vocabulary.learn(preprocess_lines(TEXTS, "en", preprocess), 90)
     cfg = dataclasses.replace(
         cfg, model=dataclasses.replace(cfg.model, vocab_size=len(vocab), max_len=48),
+        data=dataclasses.replace(cfg.data, preprocess=preprocess),
         decode=dataclasses.replace(cfg.decode, max_len_a=0.5, max_len_b=6))
     torch.manual_seed(0)
     return save_checkpoint(path, Transformer(cfg.model), cfg, vocab)

@@ -5,6 +5,7 @@ tiny random-weight checkpoint: every status code it answers (200, 404, 405, 413,
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -74,6 +75,30 @@ def test_translate_answers_what_translate_nbest_gives(url, loaded):
     assert (data["beam"], data["alpha"], data["nbest"]) == (3, 0.6, 2)
     greedy = post(url, "/translate", {"lines": lines[:1], "beam": 1}).json()
     assert greedy["translations"][0][0]["score"] == greedy["translations"][0][0]["log_prob"]
+
+
+def test_input_tokenized_already_is_translated_with_a_warning(url, loaded):
+    """A model that tokenizes its input itself (lc-norm-tok) answers lines that hold Moses
+    escapes with a warning, from both endpoints, and still translates them; raw lines, and a
+    model that reads raw text, get none."""
+    model, config, vocab = loaded
+    lc = dataclasses.replace(config, data=dataclasses.replace(config.data,
+                                                               preprocess="lc-norm-tok"))
+    with serve_in_thread(create_app(model, lc, vocab)) as base:
+        r = post(base, "/translate", {"lines": ["a man &apos;s dog .", "A man's dog."],
+                                      "beam": 1})
+        assert r.status_code == 200
+        data = r.json()
+        assert len(data["translations"]) == 2
+        assert len(data["warnings"]) == 1
+        assert "1 of 2 input lines (line 1 first)" in data["warnings"][0]
+        assert post(base, "/translate", {"lines": ["A man's dog."]}).json()["warnings"] == []
+        att = post(base, "/attention", {"source": "A man's dog.",
+                                        "target": "ein hund &quot; ."})
+        assert att.status_code == 200
+        assert [w.split(":")[0] for w in att.json()["warnings"]] == ["target"]
+    raw = post(url, "/translate", {"lines": ["a man &apos;s dog ."], "beam": 1}).json()
+    assert raw["warnings"] == [] and len(raw["translations"]) == 1
 
 
 def test_attention_answers_every_layer_and_head(url, loaded):

@@ -19,7 +19,9 @@ from aiayn.serve.loadtest import run_load
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live")
-    ckpt = tiny_checkpoint(tmp / "ckpt")
+    # a model that tokenizes its input itself, as the main job's does (the page warns of input
+    # that looks tokenized already)
+    ckpt = tiny_checkpoint(tmp / "ckpt", preprocess="lc-norm-tok")
     # a small queue, so that the load test also meets the 429 path when it is full
     with serve_process(ckpt, "--max-queue-lines", "24", "--max-lines", "8",
                        "--max-batch-lines", "32", log=tmp / "serve.log") as (proc, url):
@@ -57,6 +59,7 @@ def test_page_translates_and_draws_every_head(server):
             page.click("#translate")
             best = page.locator(".result .translation")
             expect(best).to_have_count(2)
+            expect(page.locator("#warning")).to_have_text("")
             expect(page.locator(".result").first.locator("table.nbest tr")).to_have_count(2)
             assert best.first.inner_text().strip()
             # the attention of line 1's best translation is drawn on its own; pick a head
@@ -80,6 +83,16 @@ def test_page_translates_and_draws_every_head(server):
             expect(page.locator('tr.shown[data-line="1"][data-rank="1"]')).to_have_count(1)
             expect(page.locator("#attention svg.lines line.weight").first).to_be_attached()
             page.screenshot(path=str(shot), full_page=True)
+            # input tokenized already (Moses escapes) is translated, with a warning that goes
+            # with the next clean request
+            page.fill("#source", "a man &apos;s dog .")
+            page.click("#translate")
+            expect(page.locator("#warning")).to_contain_text("look tokenized already")
+            expect(page.locator(".result .translation")).to_have_count(1)
+            page.fill("#source", "A man's dog.")
+            page.click("#translate")
+            expect(page.locator(".result .source")).to_have_text("A man's dog.")
+            expect(page.locator("#warning")).to_have_text("")
             assert not errors, errors
         finally:
             browser.close()

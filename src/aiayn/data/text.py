@@ -45,33 +45,47 @@ def preprocess_lines(lines: list[str], lang: str, mode: str) -> list[str]:
 _MOSES_ESCAPES = re.compile(r"&(?:amp|apos|quot|lt|gt|#91|#93|#124);")
 
 
+def tokenized_input_warning(lines: list[str], data: "DataConfig") -> str | None:
+    """A warning when a model trained under ``data`` would tokenize ``lines`` twice, else None.
+
+    Under ``lc-norm-tok`` the model tokenizes its input itself. Lines that hold Moses escapes
+    (``&apos;``, ``&quot;``, ``&amp;`` ...) look tokenized already, as the shipped
+    ``tok/*.lc.norm.tok.*`` files are, and tokenizing them again changes them (``&apos;``
+    becomes ``&amp; apos ;``), so the model reads text it was not trained on. The warning gives
+    their count and the first line number (counting from 1). Raw text with HTML entities looks
+    the same, so callers warn and still translate.
+    """
+    if data.preprocess != "lc-norm-tok":
+        return None
+    escaped = [i for i, line in enumerate(lines, 1) if _MOSES_ESCAPES.search(line)]
+    if not escaped:
+        return None
+    return (f"{len(escaped)} of {len(lines)} input lines (line {escaped[0]} first) hold "
+            f"Moses escapes such as &apos; or &quot;, so they look tokenized already; "
+            f"the model tokenizes its input itself (data.preprocess = lc-norm-tok), and "
+            f"tokenizing such lines again turns &apos; into &amp; apos ;, text it was "
+            f"not trained on: pass the raw text (if these are entities of the raw text, "
+            f"nothing is wrong)")
+
+
 def model_text(lines: list[str], data: "DataConfig", side: str = "src",
                warn: Callable[[str], None] | None = None) -> list[str]:
     """``lines`` as a model trained under ``data`` reads them: its ``data.preprocess`` applied
     with the language of ``side`` ("src" or "tgt", e.g. a forced target). Every entry point that
     feeds raw text to a checkpoint (translate, evaluate, attention, serve) goes through here.
 
-    With ``warn`` and ``lc-norm-tok``, lines that hold Moses escapes (``&apos;``, ``&quot;``,
-    ``&amp;`` ...) are reported through it, once, with their count and the first line number:
-    they look tokenized already, as the shipped ``tok/*.lc.norm.tok.*`` files are, and
-    tokenizing them again changes them (``&apos;`` becomes ``&amp; apos ;``), so the model reads
-    text it was not trained on. They are still translated: raw text with HTML entities looks
-    the same, so this is a warning, not an error.
+    With ``warn``, :func:`tokenized_input_warning` is passed to it, once, when the lines look
+    tokenized already. They are still translated.
 
     Raises:
         ValueError: an unknown side or mode.
     """
     if side not in ("src", "tgt"):
         raise ValueError(f"side must be 'src' or 'tgt', got {side!r}")
-    if warn is not None and data.preprocess == "lc-norm-tok":
-        escaped = [i for i, line in enumerate(lines, 1) if _MOSES_ESCAPES.search(line)]
-        if escaped:
-            warn(f"{len(escaped)} of {len(lines)} input lines (line {escaped[0]} first) hold "
-                 f"Moses escapes such as &apos; or &quot;, so they look tokenized already; "
-                 f"the model tokenizes its input itself (data.preprocess = lc-norm-tok), and "
-                 f"tokenizing such lines again turns &apos; into &amp; apos ;, text it was "
-                 f"not trained on: pass the raw text (if these are entities of the raw text, "
-                 f"nothing is wrong)")
+    if warn is not None:
+        message = tokenized_input_warning(lines, data)
+        if message is not None:
+            warn(message)
     return preprocess_lines(lines, data.src_lang if side == "src" else data.tgt_lang,
                             data.preprocess)
 

@@ -7,6 +7,9 @@ Endpoints:
   requests, see :mod:`aiayn.serve.batcher`).
 * ``POST /attention`` ``{"source": "...", "target": "..."}``: every layer and head of the
   three kinds of attention for one pair; without ``target``, the model's own beam output.
+* Both answer ``warnings``, a list of sentences, empty when all is well: for now, that the
+  input looks tokenized already to a model that tokenizes its input itself
+  (:func:`aiayn.data.text.tokenized_input_warning`). Such input is still translated.
 * ``GET /health``: ``{"status": "ok"}``. ``GET /info``: the model's config, parameter count,
   vocabulary size, decoding defaults, the server's limits, and its ``load`` now
   (``requests_in_flight``, ``queued_lines`` waiting for a batch, ``batches_run`` since start).
@@ -187,7 +190,7 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
     The model runs on one worker thread; the batcher starts and stops with the app's lifespan
     (stopping finishes every queued request first).
     """
-    from aiayn.data.text import model_text
+    from aiayn.data.text import model_text, tokenized_input_warning
     from aiayn.decoding import translate_nbest
     from aiayn.model.transformer import count_parameters
     from aiayn.viz.attention import attention_maps
@@ -254,6 +257,11 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
     def batcher() -> Batcher:
         return state["batcher"]
 
+    def warnings(lines: list[str], what: str = "") -> list[str]:
+        """What a client should know about ``lines`` (the request's ``what`` lines)."""
+        message = tokenized_input_warning(lines, config.data)
+        return [] if message is None else [what + message]
+
     @app.post("/translate")
     async def translate(req: TranslateRequest):
         if not req.lines:
@@ -275,7 +283,8 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
             raise HTTPException(503, str(err)) from None
         return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
                                   for t in line] for line in results],
-                "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines}
+                "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
+                "warnings": warnings(req.lines)}
 
     @app.post("/attention")
     async def attention(req: AttentionRequest):
@@ -300,7 +309,9 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
             if "shutdown" in str(err):
                 raise HTTPException(503, "the server is shutting down") from None
             raise
-        return {"source": req.source, **maps.to_json()}
+        return {"source": req.source, **maps.to_json(),
+                "warnings": warnings([req.source], "source: ")
+                + ([] if req.target is None else warnings([req.target], "target: "))}
 
     @app.get("/health")
     async def health():
