@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Set everything up and run the main job (the README's first Quickstart command): learn a shared
-# BPE vocabulary, train an ensemble of two `multi30k` models with d_ff 1024 at once for 60 minutes
+# BPE vocabulary, train an ensemble of two `multi30k-ensemble` models (`multi30k` with d_ff 1024)
+# at once for 60 minutes
 # on Multi30k en->de (one process of one thread each), average each one's last 5 or 10 checkpoints
 # and choose the width and the length penalty alpha on the validation set (beam 4), translate
 # test_2016_flickr once with the ensemble, print BLEU and chrF.
 # Extra arguments go to `aiayn pipeline` and win over these (e.g. --tgt-lang fr,
-# --time-budget-min 10, or --ensemble 1 --set model.d_ff=512 for the single v9 model).
+# --time-budget-min 10, or --preset multi30k --ensemble 1 for the single v9 model).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 if [ -z "${AIAYN_DATA_DIR:-}" ] && [ -d ../shared/data/multi30k ]; then
   export AIAYN_DATA_DIR="$(cd ../shared/data && pwd)"
 fi  # unset and no ../shared/data: Multi30k is downloaded and checked by sha256
-exec .venv/bin/aiayn pipeline --preset multi30k --alphas 0.6 1.0 1.4 --average 5 10 \
-  --ensemble 2 --set model.d_ff=1024 "$@"
+exec .venv/bin/aiayn pipeline --preset multi30k-ensemble --ensemble 2 --alphas 0.6 1.0 1.4 \
+  --average 5 10 "$@"

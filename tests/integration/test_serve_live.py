@@ -83,8 +83,8 @@ def test_page_translates_and_draws_every_head(server):
             expect(page.locator('tr.shown[data-line="1"][data-rank="1"]')).to_have_count(1)
             expect(page.locator("#attention svg.lines line.weight").first).to_be_attached()
             page.screenshot(path=str(shot), full_page=True)
-            # input tokenized already (Moses escapes) is translated, with a warning that goes
-            # with the next clean request
+            # input tokenized already (Moses escapes) is translated, with a warning; the next
+            # clean request clears it
             page.fill("#source", "a man &apos;s dog .")
             page.click("#translate")
             expect(page.locator("#warning")).to_contain_text("look tokenized already")

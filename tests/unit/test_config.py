@@ -50,6 +50,15 @@ def test_every_table3_preset_is_shipped():
     assert {"base", "tiny", "multi30k", *TABLE3_ROWS} <= names
 
 
+def test_the_ensemble_member_is_multi30k_with_a_wider_feed_forward_layer():
+    """The main job's member preset changes one cell of ``multi30k`` (and its name): a recipe
+    change to ``multi30k`` must reach the ensemble too."""
+    member, single = load_config("multi30k-ensemble").to_dict(), load_config("multi30k").to_dict()
+    assert member["model"].pop("d_ff") == 1024 and single["model"].pop("d_ff") == 512
+    member.pop("name"), single.pop("name")
+    assert member == single
+
+
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_loads(name):
     cfg = load_config(name)
