@@ -112,6 +112,10 @@ def test_pipeline_trains_and_decodes_an_ensemble(tmp_path: Path, capsys) -> None
             ["step-00000030", "step-00000060"]
         assert "aiayn train" in (run_dir / f"member-{k}.log").read_text()
         assert (member / "curves.png").is_file()
+    # ... and one figure of the whole ensemble, both members' curves in it
+    whole = (run_dir / "curves.png").read_bytes()
+    assert whole[:8] == b"\x89PNG\r\n\x1a\n"
+    assert whole != (run_dir / "member-1" / "curves.png").read_bytes()
     width = results["weights"]
     assert width in ("2", "1") and results["valid_bleu_by_alpha"] == \
         results["valid_bleu_by_average"][width]

@@ -191,6 +191,32 @@ def test_413_for_a_line_over_the_model_max_len(url, loaded):
     assert f"line 2 has {n} subword tokens with </s>; at most 48" in r.json()["detail"]
 
 
+def test_413_counts_a_line_as_the_model_reads_it(loaded):
+    """An lc-norm-tok model reads "dog's" as "dog &apos;s": a line under max_len as sent but
+    over it once tokenized answers 413 naming the tokenized count, rather than failing the
+    batch it would have joined (and every other request in it) with a 500."""
+    from aiayn.data.text import model_text
+
+    model, config, vocab = loaded
+    lc = dataclasses.replace(config, data=dataclasses.replace(config.data,
+                                                               preprocess="lc-norm-tok"))
+    counts = {}
+    for k in range(1, 30):
+        line = " ".join(["a dog's ball."] * k)
+        raw, read = (len(vocab.encode(line)) + 1,
+                     len(vocab.encode(model_text([line], lc.data)[0])) + 1)
+        if raw <= 48 < read:
+            counts = {"line": line, "read": read}
+            break
+    assert counts, "no line is under max_len raw and over it tokenized"
+    with serve_in_thread(create_app(model, lc, vocab)) as base:
+        r = post(base, "/translate", {"lines": ["a dog.", counts["line"]], "beam": 1})
+        assert r.status_code == 413, r.text
+        assert (f"line 2 has {counts['read']} subword tokens with </s> after the model's "
+                "lc-norm-tok preprocessing; at most 48") in r.json()["detail"]
+        assert post(base, "/translate", {"lines": ["a dog's ball."]}).status_code == 200
+
+
 def test_413_for_bodies_and_attention_inputs(url):
     big = {"lines": ["x" * 150] * 30}  # about 4.6 kB > 4000 bytes
     r = post(url, "/translate", big)

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
     results["pipeline_wall_s"] = round(time.monotonic() - t0, 1)
     write_json_atomic(run_dir / "results.json", results)
     pngs = [plot_run(run) for run in runs]  # one figure per model trained
-    png = pngs[0]
+    png = plot_run(run_dir) if members else pngs[0]  # an ensemble's: its members' curves
     if args.json:
         print(json.dumps(results))
         return 0
@@ -329,6 +329,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps"
           + (" (all members)" if members else "") + "; "
           f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, "
-          f"{png.relative_to(run_dir) if members else png.name}, "
+          f"{png.name}, "
           f"{hyp_path.name})")
     return 0

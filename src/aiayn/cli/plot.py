@@ -10,7 +10,9 @@ HELP = "Plot loss, perplexity, validation BLEU and learning rate against steps (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory of `aiayn train`")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a run directory of `aiayn train`, or of `aiayn pipeline --ensemble N` "
+                        "(one figure, each member's curves drawn over each other)")
     p.add_argument("-o", "--output", default=None, metavar="PNG",
                    help="image to write (default: RUN_DIR/curves.png)")
 
@@ -34,21 +36,15 @@ def panel_titles(run_dir: Path) -> tuple[str, str]:
             f"learning rate ({LR_SCHEDULE_TITLES.get(schedule, schedule)})")
 
 
-def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
-    """Read ``RUN_DIR/metrics.jsonl`` and write a 2x2 figure; returns the PNG path.
+def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
+    """The training and validation records of a run's ``metrics.jsonl``.
 
     Raises:
-        FileNotFoundError: the run has no metrics.jsonl.
+        FileNotFoundError: no file at ``path``.
+        ValueError: a line that is not JSON, naming the file and line.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"no metrics at {path}: is {run_dir} a run directory?")
+        raise FileNotFoundError(f"no metrics at {path}: is {path.parent} a run directory?")
     train, valid = [], []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -58,32 +54,65 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         except json.JSONDecodeError:
             raise ValueError(f"{path}, line {number}: not JSON") from None
         (train if record.get("kind") == "train" else valid).append(record)
+    return train, valid
+
+
+def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """Read ``RUN_DIR/metrics.jsonl`` and write a 2x2 figure; returns the PNG path. An
+    ensemble's run directory (``aiayn pipeline --ensemble N``) gets one figure with each
+    member's curves (``RUN_DIR/member-K/metrics.jsonl``) drawn over each other.
+
+    Raises:
+        FileNotFoundError: the run (or a member of it) has no metrics.jsonl.
+        ValueError: a metrics line that is not JSON.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from aiayn.training.ensemble import member_dirs, members_found
+
+    run_dir = Path(run_dir)
+    n = members_found(run_dir)
+    runs = ([(f"{d.name}, ", d) for d in member_dirs(run_dir, n)] if n
+            else [("", run_dir)])
+    series = [(label, *read_metrics(d / "metrics.jsonl")) for label, d in runs]
     bleu_title, lr_title = panel_titles(run_dir)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    ax = axes[0][0]
-    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (smoothed)")
-    ax.plot([r["step"] for r in valid if "valid_loss" in r],
-            [r["valid_loss"] for r in valid if "valid_loss" in r], "o-", label="valid")
-    ax.set_title("label-smoothed loss (nats / token)")
-    ax.legend()
-    ax = axes[0][1]
-    ax.plot([r["step"] for r in train], [r["ppl"] for r in train], label="train")
-    ax.plot([r["step"] for r in valid if "valid_ppl" in r],
-            [r["valid_ppl"] for r in valid if "valid_ppl" in r], "o-", label="valid")
-    ax.set_yscale("log")
-    ax.set_title("perplexity (per subword)")
-    ax.legend()
-    ax = axes[1][0]
-    bleu = [r for r in valid if "valid_bleu" in r]
-    ax.plot([r["step"] for r in bleu], [r["valid_bleu"] for r in bleu], "o-", color="C2")
-    ax.set_title(bleu_title)
-    ax = axes[1][1]
-    ax.plot([r["step"] for r in train], [r["lr"] for r in train], color="C3")
-    ax.set_title(lr_title)
+    for k, (label, train, valid) in enumerate(series):
+        # one colour pair per run: train light, valid dark, so members stay apart
+        light, dark = (f"C{2 * k}", f"C{2 * k + 1}") if n else ("C0", "C1")
+        ax = axes[0][0]
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], color=light,
+                label=f"{label}train (smoothed)")
+        ax.plot([r["step"] for r in valid if "valid_loss" in r],
+                [r["valid_loss"] for r in valid if "valid_loss" in r], "o-", color=dark,
+                label=f"{label}valid")
+        ax = axes[0][1]
+        ax.plot([r["step"] for r in train], [r["ppl"] for r in train], color=light,
+                label=f"{label}train")
+        ax.plot([r["step"] for r in valid if "valid_ppl" in r],
+                [r["valid_ppl"] for r in valid if "valid_ppl" in r], "o-", color=dark,
+                label=f"{label}valid")
+        ax = axes[1][0]
+        bleu = [r for r in valid if "valid_bleu" in r]
+        ax.plot([r["step"] for r in bleu], [r["valid_bleu"] for r in bleu], "o-",
+                color=dark if n else "C2", label=label.rstrip(", ") or None)
+        ax = axes[1][1]
+        ax.plot([r["step"] for r in train], [r["lr"] for r in train],
+                color=dark if n else "C3", label=label.rstrip(", ") or None)
+    axes[0][0].set_title("label-smoothed loss (nats / token)")
+    axes[0][1].set_yscale("log")
+    axes[0][1].set_title("perplexity (per subword)")
+    axes[1][0].set_title(bleu_title)
+    axes[1][1].set_title(lr_title)
     for a in axes.flat:
         a.set_xlabel("step")
         a.grid(alpha=0.3)
-    fig.suptitle(f"aiayn run {run_dir.name}")
+        if a.get_legend_handles_labels()[1]:
+            a.legend()
+    fig.suptitle(f"aiayn run {run_dir.name}" + (f", an ensemble of {n}" if n else ""))
     fig.tight_layout()
     out = Path(output) if output else run_dir / "curves.png"
     from aiayn.fileio import save_with

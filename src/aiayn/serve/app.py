@@ -245,13 +245,17 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
                                      f"(beam is {beam})")
         return beam, alpha, nbest
 
-    def check_text(text: str, what: str, max_tokens: int) -> None:
+    def check_text(text: str, what: str, max_tokens: int, side: str = "src") -> None:
         if len(text) > limits.max_chars:
             raise HTTPException(413, f"{what} has {len(text)} characters; at most "
                                      f"{limits.max_chars} are accepted")
-        n = len(vocab.encode(text)) + 1  # with </s>
+        # counted as the model reads it: Moses tokenization can make a line longer
+        # ("dog's" -> "dog &apos;s"), and a line over max_len would fail its whole batch
+        n = len(vocab.encode(model_text([text], config.data, side)[0])) + 1  # with </s>
         if n > max_tokens:
-            raise HTTPException(413, f"{what} has {n} subword tokens with </s>; at most "
+            how = ("" if config.data.preprocess == "none"
+                   else f" after the model's {config.data.preprocess} preprocessing")
+            raise HTTPException(413, f"{what} has {n} subword tokens with </s>{how}; at most "
                                      f"{max_tokens} are accepted")
 
     def batcher() -> Batcher:
@@ -294,7 +298,7 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
             raise HTTPException(422, "target is empty: leave it out to use the model's output")
         check_text(req.source, "source", limits.max_attention_tokens)
         if req.target is not None:
-            check_text(req.target, "target", limits.max_attention_tokens)
+            check_text(req.target, "target", limits.max_attention_tokens, "tgt")
         beam, alpha, _ = search_settings(req.beam, req.alpha)
         # the model's own output may be longer than the bound on what a client may send
         max_len_b = min(decode.max_len_b, limits.max_attention_tokens)
