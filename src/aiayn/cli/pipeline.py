@@ -301,8 +301,10 @@ def run(args: argparse.Namespace) -> int:
         results["multi30k_tok_reference"] = ref_name
     results["pipeline_wall_s"] = round(time.monotonic() - t0, 1)
     write_json_atomic(run_dir / "results.json", results)
-    pngs = [plot_run(run) for run in runs]  # one figure per model trained
-    png = plot_run(run_dir) if members else pngs[0]  # an ensemble's: its members' curves
+    if members:
+        for run in runs:
+            plot_run(run)  # each member's own figure
+    png = plot_run(run_dir)  # a single run's, or every member's curves in one
     if args.json:
         print(json.dumps(results))
         return 0

@@ -75,33 +75,25 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
 
     run_dir = Path(run_dir)
     n = members_found(run_dir)
-    runs = ([(f"{d.name}, ", d) for d in member_dirs(run_dir, n)] if n
-            else [("", run_dir)])
-    series = [(label, *read_metrics(d / "metrics.jsonl")) for label, d in runs]
+    runs = [(d.name, d) for d in member_dirs(run_dir, n)] if n else [("", run_dir)]
+    series = [(name, *read_metrics(d / "metrics.jsonl")) for name, d in runs]
     bleu_title, lr_title = panel_titles(run_dir)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    for k, (label, train, valid) in enumerate(series):
-        # one colour pair per run: train light, valid dark, so members stay apart
-        light, dark = (f"C{2 * k}", f"C{2 * k + 1}") if n else ("C0", "C1")
-        ax = axes[0][0]
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], color=light,
-                label=f"{label}train (smoothed)")
-        ax.plot([r["step"] for r in valid if "valid_loss" in r],
-                [r["valid_loss"] for r in valid if "valid_loss" in r], "o-", color=dark,
-                label=f"{label}valid")
-        ax = axes[0][1]
-        ax.plot([r["step"] for r in train], [r["ppl"] for r in train], color=light,
-                label=f"{label}train")
-        ax.plot([r["step"] for r in valid if "valid_ppl" in r],
-                [r["valid_ppl"] for r in valid if "valid_ppl" in r], "o-", color=dark,
-                label=f"{label}valid")
-        ax = axes[1][0]
-        bleu = [r for r in valid if "valid_bleu" in r]
-        ax.plot([r["step"] for r in bleu], [r["valid_bleu"] for r in bleu], "o-",
-                color=dark if n else "C2", label=label.rstrip(", ") or None)
-        ax = axes[1][1]
-        ax.plot([r["step"] for r in train], [r["lr"] for r in train],
-                color=dark if n else "C3", label=label.rstrip(", ") or None)
+
+    def curve(ax, records: list[dict], key: str, label: str | None, **style) -> None:
+        shown = [r for r in records if key in r]
+        ax.plot([r["step"] for r in shown], [r[key] for r in shown], label=label, **style)
+
+    for k, (name, train, valid) in enumerate(series):
+        # one colour pair per run, train then valid, so members stay apart
+        light, dark = f"C{2 * k}", f"C{2 * k + 1}"
+        prefix = f"{name}, " if name else ""
+        for ax, key, train_label in ((axes[0][0], "loss", "train (smoothed)"),
+                                     (axes[0][1], "ppl", "train")):
+            curve(ax, train, key, prefix + train_label, color=light)
+            curve(ax, valid, "valid_" + key, prefix + "valid", color=dark, marker="o")
+        curve(axes[1][0], valid, "valid_bleu", name or None, color=dark, marker="o")
+        curve(axes[1][1], train, "lr", name or None, color=dark)
     axes[0][0].set_title("label-smoothed loss (nats / token)")
     axes[0][1].set_yscale("log")
     axes[0][1].set_title("perplexity (per subword)")

@@ -203,7 +203,6 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
 
     def run_batch(lines: list[str], key: tuple[int, float, int]):
         beam, alpha, nbest = key
-        lines = model_text(lines, config.data)
         return translate_nbest(model, vocab, lines, beam_size=beam, alpha=alpha, nbest=nbest,
                                max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
                                batch_size=limits.max_batch_lines, long_inputs="error")
@@ -245,13 +244,17 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
                                      f"(beam is {beam})")
         return beam, alpha, nbest
 
-    def check_text(text: str, what: str, max_tokens: int, side: str = "src") -> None:
+    def check_chars(text: str, what: str) -> None:
+        """``text`` as sent: bounded before any work is done on it."""
         if len(text) > limits.max_chars:
             raise HTTPException(413, f"{what} has {len(text)} characters; at most "
                                      f"{limits.max_chars} are accepted")
-        # counted as the model reads it: Moses tokenization can make a line longer
-        # ("dog's" -> "dog &apos;s"), and a line over max_len would fail its whole batch
-        n = len(vocab.encode(model_text([text], config.data, side)[0])) + 1  # with </s>
+
+    def check_tokens(read: str, what: str, max_tokens: int) -> None:
+        """``read``: the text as the model reads it (:func:`model_text`). Moses tokenization
+        can make a line longer ("dog's" -> "dog &apos;s"), and a line over max_len would fail
+        its whole batch."""
+        n = len(vocab.encode(read)) + 1  # with </s>
         if n > max_tokens:
             how = ("" if config.data.preprocess == "none"
                    else f" after the model's {config.data.preprocess} preprocessing")
@@ -277,10 +280,13 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
             if "\n" in line or "\r" in line:
                 raise HTTPException(422, f"line {n} contains a line break: send one sentence "
                                          "per item of lines")
-            check_text(line, f"line {n}", max_len)
+            check_chars(line, f"line {n}")
+        read = model_text(req.lines, config.data)  # preprocessed once, checked and decoded
+        for n, line in enumerate(read, 1):
+            check_tokens(line, f"line {n}", max_len)
         key = search_settings(req.beam, req.alpha, req.nbest)
         try:
-            results, batch_lines = await batcher().submit(req.lines, key)
+            results, batch_lines = await batcher().submit(read, key)
         except QueueFullError as err:
             raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from None
         except ShuttingDownError as err:
@@ -296,16 +302,18 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
             raise HTTPException(422, "source is empty")
         if req.target is not None and not req.target.strip():
             raise HTTPException(422, "target is empty: leave it out to use the model's output")
-        check_text(req.source, "source", limits.max_attention_tokens)
+        check_chars(req.source, "source")
+        source = model_text([req.source], config.data, "src")[0]
+        check_tokens(source, "source", limits.max_attention_tokens)
+        target = None
         if req.target is not None:
-            check_text(req.target, "target", limits.max_attention_tokens, "tgt")
+            check_chars(req.target, "target")
+            target = model_text([req.target], config.data, "tgt")[0]
+            check_tokens(target, "target", limits.max_attention_tokens)
         beam, alpha, _ = search_settings(req.beam, req.alpha)
         # the model's own output may be longer than the bound on what a client may send
         max_len_b = min(decode.max_len_b, limits.max_attention_tokens)
         try:
-            source, target = (model_text([text], config.data, side)[0]
-                              if text is not None else None
-                              for text, side in ((req.source, "src"), (req.target, "tgt")))
             maps = await batcher().run_exclusive(lambda: attention_maps(
                 model, vocab, source, target, beam_size=beam, alpha=alpha,
                 max_len_a=decode.max_len_a, max_len_b=max_len_b))
