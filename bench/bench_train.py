@@ -90,49 +90,65 @@ def pair_flops(m, src_len: int, tgt_len: int, out_vocab: int | None = None) -> f
     return 3 * 2 * (enc + dec + out)
 
 
-def matmul_rate(size: int = 2048, reps: int = 6) -> float:
-    """FLOP/s of a bf16 ``size``^3 matrix product on this machine's current threads."""
-    a = torch.randn(size, size, dtype=torch.bfloat16)
-    b = torch.randn(size, size, dtype=torch.bfloat16)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # CUDA runs asynchronously: wait for the queued kernels
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(size: int = 2048, reps: int = 6, device: torch.device | None = None) -> float:
+    """FLOP/s of a bf16 ``size``^3 matrix product on ``device`` (this machine's current
+    threads on a CPU)."""
+    device = device or torch.device("cpu")
+    if device.type == "cuda":
+        size, reps = 8192, 20
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
     for _ in range(2):
         a @ b
+    _sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         a @ b
+    _sync(device)
     return reps * 2 * size**3 / (time.perf_counter() - t0)
 
 
-def time_aiayn(config, vocab, enc, steps: int, passes: int) -> tuple[float, list[list[int]]]:
+def time_aiayn(config, vocab, enc, steps: int, passes: int,
+               device: torch.device = torch.device("cpu")) -> tuple[float, list[list[int]]]:
     """Target tokens/s of the Trainer's own step over the first ``steps`` batches of its first
     epoch, timed after ``passes`` untimed passes over the same batches; also those batches."""
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        trainer = Trainer(config, tmp, vocab, enc, device="cpu", progress=False)
+        trainer = Trainer(config, tmp, vocab, enc, device=device, progress=False)
         used = trainer.batches_of_epoch(0)[:steps]
         for _ in range(passes):
             for _ in range(steps):
                 trainer.train_step()
             trainer.state.batch_in_epoch = 0  # the same batches again
+        _sync(device)
         tokens, t0 = 0.0, time.perf_counter()
         for _ in range(steps):
             tokens += trainer.train_step()["tokens"]
+        _sync(device)
         return tokens / (time.perf_counter() - t0), used
 
 
 def time_peer(cfg, enc, order: list[list[int]], bf16: bool, ours_loss: bool,
-              passes: int) -> float:
+              passes: int, device: torch.device = torch.device("cpu")) -> float:
     """Target tokens/s of ``torch.nn.Transformer`` on the batches ``order``, timed after
     ``passes`` untimed passes over them."""
     torch.manual_seed(0)
-    model = TorchTransformer(cfg)
+    model = TorchTransformer(cfg).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
     model.train()
     tokens, start = 0, None
     for i, idx in enumerate(order * (passes + 1)):
         if i == passes * len(order):
+            _sync(device)
             tokens, start = 0, time.perf_counter()
-        b = collate(enc, idx)
-        ac = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+        b = collate(enc, idx).to(device)
+        ac = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 \
+            else contextlib.nullcontext()
         with ac:
             logits = model(b.src, b.tgt_in)
         if ours_loss:
@@ -146,6 +162,7 @@ def time_peer(cfg, enc, order: list[list[int]], bf16: bool, ours_loss: bool,
         loss.backward()
         opt.step()
         tokens += b.tgt_tokens
+    _sync(device)
     return tokens / (time.perf_counter() - start)
 
 
@@ -160,17 +177,24 @@ def main() -> None:
                    help="untimed passes over the timed batches first: the first pass builds "
                         "each shape's oneDNN kernels, as a run's first epoch does")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default=None,
+                   help="cpu or cuda (default: cpu); on CUDA the peak is an 8192^3 bf16 product")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
+    from aiayn.devices import choose_device
+
+    device = choose_device(args.device or "cpu")
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = load_dataset("multi30k", "train", "en", "de")
     vocab = Vocabulary.learn(corpus.src + corpus.tgt, 8000)
     enc = encode_corpus(vocab, corpus, 128)
     src_len, tgt_len = enc.src_lengths(), enc.tgt_lengths()
-    peak = matmul_rate()
+    peak = matmul_rate(device=device)
     say = (lambda *a, **k: None) if args.json else print
-    say(f"bf16 2048^3 matmul: {peak / 1e9:.0f} GFLOP/s on {torch.get_num_threads()} threads")
+    say(f"bf16 matmul: {peak / 1e9:.0f} GFLOP/s on "
+        + (torch.cuda.get_device_name(device) if device.type == "cuda"
+           else f"{torch.get_num_threads()} threads"))
     rows = []
     for preset in args.presets:
         base = [f"model.vocab_size={len(vocab)}", f"data.max_tokens={args.max_tokens}",
@@ -178,18 +202,17 @@ def main() -> None:
                 "train.checkpoint_every_s=0"]
         row: dict = {"preset": preset}
         order: list[list[int]] = []
-        for name, extra in (("aiayn_fp32", ["train.bf16=false", "train.bf16_weights=false"]),
-                            ("aiayn_bf16", ["train.bf16=true", "train.bf16_weights=false"]),
-                            ("aiayn_bf16_weights", ["train.bf16=true",
-                                                    "train.bf16_weights=true"]),
-                            ("aiayn_target_vocab", ["train.bf16=true", "train.bf16_weights=true",
+        for name, extra in (("aiayn_fp32", ["train.precision=fp32"]),
+                            ("aiayn_bf16", ["train.precision=bf16"]),
+                            ("aiayn_bf16_weights", ["train.precision=bf16-weights"]),
+                            ("aiayn_target_vocab", ["train.precision=bf16-weights",
                                                     "model.output_vocab=target"])):
             config = load_config(preset, base + extra)
-            row[name], order = time_aiayn(config, vocab, enc, args.steps, args.warmup)
+            row[name], order = time_aiayn(config, vocab, enc, args.steps, args.warmup, device)
         cfg = load_config(preset, base).model
         for name, bf16, ours_loss in (("torch_fp32", False, False), ("torch_bf16", True, False),
                                       ("torch_bf16_aiayn_loss", True, True)):
-            row[name] = time_peer(cfg, enc, order, bf16, ours_loss, args.warmup)
+            row[name] = time_peer(cfg, enc, order, bf16, ours_loss, args.warmup, device)
         tokens = sum(int(tgt_len[i]) for idx in order for i in idx)
         flops = sum(pair_flops(cfg, int(src_len[i]), int(tgt_len[i]))
                     for idx in order for i in idx)

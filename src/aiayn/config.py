@@ -26,6 +26,9 @@ LR_SCHEDULE_TITLES = {"inverse_sqrt": "§5.3, eq. 3",
                       "cosine": "cosine decay to zero at the budget"}
 LR_SCHEDULES = tuple(LR_SCHEDULE_TITLES)
 PREPROCESS_MODES = ("none", "lc-norm-tok")  # aiayn.data.text
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "bf16-weights")  # aiayn.precision
+# fields that runs of earlier versions wrote into config.json, and what replaced them
+_RENAMED = {"train.bf16": "train.precision", "train.bf16_weights": "train.precision"}
 
 
 def _check_fields(obj: Any) -> None:
@@ -194,10 +197,10 @@ class TrainConfig:
     clip_norm: float = 0.0  # 0: no gradient clipping
     max_steps: int = 100_000  # updates; base trained 100K, big 300K (§5.2)
     time_budget_s: float = 0.0  # 0: no limit; else stop after this many seconds of training
-    bf16: bool = False  # torch.autocast(dtype=bfloat16)
-    # with bf16: forward and backward run on a bf16 copy of the weights (no autocast recasts);
-    # the optimizer keeps the float32 master weights, which checkpoints hold
-    bf16_weights: bool = False
+    # "fp32"; "bf16" (torch.autocast); "bf16-weights" (forward and backward on a bf16 copy of
+    # the weights, Adam on the float32 masters that checkpoints hold); "auto": bf16-weights
+    # where a short probe finds bf16 faster on this machine, else fp32 (aiayn.precision)
+    precision: str = "auto"
     checkpoint_every_steps: int = 0  # 0: off
     checkpoint_every_s: float = 600.0  # the paper wrote one every 10 minutes, §6.1
     keep_last: int = 5  # checkpoints kept; averaging uses the last 5 (base) or 20 (big)
@@ -228,8 +231,7 @@ class TrainConfig:
         _non_negative(self, "checkpoint_every_s", "eval_bleu_sentences", "weight_decay")
         _non_negative(self, "early_stopping_patience", "peak_lr", "rdrop_alpha")
         _choice(self, "lr_schedule", LR_SCHEDULES)
-        if self.bf16_weights and not self.bf16:
-            raise ValueError("TrainConfig.bf16_weights=True needs bf16=True")
+        _choice(self, "precision", TRAIN_PRECISIONS)
         if self.rdrop_start > 0 and self.rdrop_alpha == 0:
             raise ValueError("TrainConfig.rdrop_start > 0 needs rdrop_alpha > 0 (R-Drop's "
                              f"weight), got rdrop_start={self.rdrop_start}, rdrop_alpha=0")
@@ -294,6 +296,10 @@ class Config:
                 raise ValueError(f"override {item!r} is not of the form section.field=value")
             if section not in data or not isinstance(data[section], dict):
                 raise ValueError(f"override {item!r}: unknown section {section!r}")
+            if f"{section}.{name}" in _RENAMED:
+                raise ValueError(f"override {item!r}: {section}.{name} is now "
+                                 f"{_RENAMED[section + '.' + name]} (one of "
+                                 f"{', '.join(TRAIN_PRECISIONS)})")
             if name not in data[section]:
                 raise ValueError(f"override {item!r}: unknown field {section}.{name}")
             hint = _field_types(_SECTIONS[section])[name]
@@ -366,11 +372,27 @@ def _build(cls: type, data: dict[str, Any], source: str) -> Any:
             kwargs[section] = _build(section_cls, data.get(section, {}), f"{source} [{section}]")
         return Config(**kwargs)
     types = _field_types(cls)
+    if cls is TrainConfig and ("bf16" in data or "bf16_weights" in data):
+        data = _legacy_precision(data, source)
     unknown = set(data) - set(types)
     if unknown:
         raise ValueError(f"{source}: unknown field(s) {sorted(unknown)} for {cls.__name__}")
     kwargs = {k: _check_type(v, types[k], f"{source} {k}") for k, v in data.items()}
     return cls(**kwargs)
+
+
+def _legacy_precision(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """A [train] table of a run written before ``precision`` existed: its ``bf16`` and
+    ``bf16_weights`` booleans become the precision they meant."""
+    data = dict(data)
+    bf16, weights = data.pop("bf16", False), data.pop("bf16_weights", False)
+    if "precision" in data:
+        raise ValueError(f"{source}: give train.precision alone, not with the older bf16 / "
+                         "bf16_weights")
+    if not isinstance(bf16, bool) or not isinstance(weights, bool):
+        raise ValueError(f"{source}: bf16 and bf16_weights must be true or false")
+    data["precision"] = ("bf16-weights" if weights else "bf16") if bf16 else "fp32"
+    return data
 
 
 def preset_names() -> list[str]:

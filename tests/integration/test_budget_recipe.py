@@ -72,7 +72,7 @@ def test_the_time_budget_drives_the_decay(schedule: str, at_half: float) -> None
 
 @pytest.mark.parametrize("field, value, match", [
     ("lr_schedule", "step", "lr_schedule"), ("peak_lr", -1e-3, "peak_lr"),
-    ("bf16_weights", True, "bf16_weights=True needs bf16=True")])
+    ("precision", "fp16", "precision must be one of")])
 def test_bad_schedule_settings_are_refused(field: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{field: value})
@@ -136,11 +136,11 @@ def _trainer(folder: Path, **train: object) -> Trainer:
 
 
 def test_bf16_weights_train_a_bf16_copy_of_float32_masters(tmp_path: Path) -> None:
-    kw = dict(bf16=True, lr_schedule="linear", peak_lr=3e-3, warmup_steps=10, max_steps=30)
+    kw = dict(lr_schedule="linear", peak_lr=3e-3, warmup_steps=10, max_steps=30)
     torch.manual_seed(0)
-    pure = _trainer(tmp_path / "a", bf16_weights=True, **kw)
+    pure = _trainer(tmp_path / "a", precision="bf16-weights", **kw)
     torch.manual_seed(0)
-    autocast = _trainer(tmp_path / "b", bf16_weights=False, **kw)
+    autocast = _trainer(tmp_path / "b", precision="bf16", **kw)
     assert autocast.compute_model is autocast.model
     losses = {"pure": [], "autocast": []}
     for step in range(1, 31):

@@ -43,7 +43,8 @@ def small_config(folder: Path, n_train: int = 300, **train: object) -> Config:
                         vocab_size=40, max_len=64)
     defaults = dict(warmup_steps=20, lr_scale=2.0, max_steps=6, checkpoint_every_s=0,
                     checkpoint_every_steps=2, keep_last=3, eval_every_steps=3,
-                    eval_bleu_sentences=4, log_every_steps=1)
+                    eval_bleu_sentences=4, log_every_steps=1,
+                    precision="fp32")  # the same path on every CPU
     defaults.update(train)
     return Config(name="small", model=model, data=data, train=TrainConfig(**defaults),
                   decode=DecodeConfig(beam_size=2, max_len_b=8, batch_size=8))

@@ -122,7 +122,7 @@ def test_rows_A_keep_computation_constant():
     (TrainConfig, "epsilon_ls", 1.0),
     (TrainConfig, "adam_beta2", 1.2),
     (TrainConfig, "clip_norm", -1.0),
-    (TrainConfig, "bf16", 1),
+    (TrainConfig, "precision", "fp16"),
     (DecodeConfig, "beam_size", 0),
     (DecodeConfig, "alpha", -0.6),
 ])
@@ -193,7 +193,7 @@ def test_extends_merges_sections_field_by_field(tmp_path):
 
 
 def test_saved_json_round_trips(tmp_path):
-    cfg = load_config("table3-E", ["model.tgt_vocab_size=none", "train.bf16=true"])
+    cfg = load_config("table3-E", ["model.tgt_vocab_size=none", "train.precision=bf16"])
     assert Config.from_dict(json.loads(cfg.to_json())) == cfg
     path = tmp_path / "config.json"
     path.write_text(cfg.to_json())

@@ -163,6 +163,13 @@ def run(args: argparse.Namespace) -> int:
 
     dc = config.decode
     from aiayn.data.text import is_protocol_text
+    from aiayn.precision import choose_precision, decoding_precision_after
+
+    trained = (members[0] if members else summary)["precision"]
+    say(f"[1/4] trained at precision {trained['chosen']} ({trained['requested']}: "
+        f"{trained['reason']})")
+    decoding = choose_precision(decoding_precision_after(trained), device, config.model,
+                                training=False)
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
 
@@ -191,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         models, run_config, vocab = loaded
         return translate_lines(models, vocab, lines, beam_size=dc.beam_size, alpha=alpha,
                                max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                               batch_size=dc.batch_size, bf16=run_config.train.bf16,
+                               batch_size=dc.batch_size, bf16=decoding.autocast,
                                progress=not args.no_progress and not args.json)
 
     def bleu_of(hyps: list[str], refs: list[str]) -> float:
@@ -264,6 +271,8 @@ def run(args: argparse.Namespace) -> int:
         # on a shared machine compare only when this is small
         "train_cpu_steal_pct": summary.get("cpu_steal_pct"),
         "threads": torch.get_num_threads(),
+        # train.precision as resolved on this machine (with the probe's figures), and decoding's
+        "precision": trained, "decode_precision": decoding.chosen,
         "averaged": [str(p.relative_to(run_dir)) if members else p.name for p in found],
         # "ema" when the moving average of the weights won on val, else the averaging width
         "weights": str(width),
@@ -287,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     if members:  # train_steps is their sum, train_epochs the fewest, threads each one's
         results.update(ensemble=len(members), threads=members[0].get("threads"), members=[
             {k: m.get(k) for k in ("run_dir", "seed", "steps", "epochs", "target_tokens",
-                                   "valid_nll", "valid_bleu", "cpu_steal_pct")}
+                                   "valid_nll", "valid_bleu", "cpu_steal_pct", "precision")}
             for m in members])
     if d.dataset == "multi30k":
         ref_tok = _tok_reference(d.dataset, d.tgt_lang)

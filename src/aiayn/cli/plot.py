@@ -53,7 +53,9 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             raise ValueError(f"{path}, line {number}: not JSON") from None
-        (train if record.get("kind") == "train" else valid).append(record)
+        kind = record.get("kind")
+        if kind in ("train", "valid"):  # other kinds (the precision record) are not curves
+            (train if kind == "train" else valid).append(record)
     return train, valid
 
 

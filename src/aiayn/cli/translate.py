@@ -40,7 +40,12 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
                         "truncating it with a warning")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--bf16", action="store_true", help="decode under bf16 autocast")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
+                   help="fp32; bf16 (autocast); auto: bf16 where a short probe finds it faster "
+                        "on this machine, else fp32 (default: fp32 for a model trained with "
+                        "train.precision = fp32, else auto)")
+    p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                   help="the same as --precision bf16")
 
 
 _DECODE_OPTIONS = {"beam_size": "--beam", "alpha": "--alpha", "max_len_a": "--max-len-a",
@@ -89,8 +94,20 @@ def decode_options(args: argparse.Namespace, config, nbest: int = 1) -> dict:
                 max_len_a=pick(args.max_len_a, d.max_len_a),
                 max_len_b=pick(args.max_len_b, d.max_len_b),
                 batch_size=pick(args.batch_size, d.batch_size), nbest=nbest, sampling=sampling,
-                bf16=args.bf16, long_inputs="error" if args.reject_long else "truncate",
+                bf16=decode_precision(args, config).autocast,
+                long_inputs="error" if args.reject_long else "truncate",
                 beam_rules=d.beam_rules)
+
+
+def decode_precision(args: argparse.Namespace, config):
+    """The :class:`~aiayn.precision.Precision` to decode with: ``--precision``, else the
+    default for a model trained with ``config.train.precision``, resolved on ``--device``."""
+    from aiayn.devices import choose_device
+    from aiayn.precision import choose_precision, default_decoding_precision
+
+    requested = args.precision or default_decoding_precision(config.train.precision)
+    return choose_precision(requested, choose_device(args.device), config.model,
+                            training=False)
 
 
 def load_models(args: argparse.Namespace):

@@ -181,6 +181,7 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
     from aiayn.checkpoint import list_checkpoints, load_checkpoint
     from aiayn.decoding import translate_lines
     from aiayn.evaluation.bleu import sacrebleu_scores
+    from aiayn.precision import decoding_precision_after
     from aiayn.training.run import run_training
 
     budget = [f"train.time_budget_s={minutes * 60}", "train.max_steps=100000000",
@@ -193,11 +194,12 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
                            resume=resume, overrides=budget if resume else None, device=device,
                            progress=progress, log=log)
     model, run_config, vocab = load_checkpoint(list_checkpoints(row_dir)[-1], device or "cpu")
+    decode_bf16 = decoding_precision_after(summary["precision"]) == "bf16"
     t0 = time.monotonic()
     dc = run_config.decode
     hyps = translate_lines(model, vocab, valid.src, beam_size=4, alpha=0.6,
                            max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                           batch_size=dc.batch_size, bf16=run_config.train.bf16)
+                           batch_size=dc.batch_size, bf16=decode_bf16)
     bleu = sacrebleu_scores(hyps, valid.tgt)
     ppl = summary.get("valid_ppl", math.nan)
     log(f"table3: row {row}: {summary['steps']} steps in {summary['elapsed_s'] / 60:.1f} min, "
@@ -207,7 +209,8 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
             "train_minutes": round(summary["elapsed_s"] / 60, 2),
             "dev_ppl": round(ppl, 3), "dev_bleu": round(bleu["bleu"], 2),
             "dev_bleu_sentences": len(valid), "bleu_signature": bleu["bleu_signature"],
-            "parameters": summary["parameters"], "config": run_config.name}
+            "parameters": summary["parameters"], "config": run_config.name,
+            "precision": summary["precision"]["chosen"]}
 
 
 # --- reporting --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import math
 import os
@@ -47,6 +48,7 @@ from aiayn.devices import cpu_times, keep_freed_memory, steal_percent
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
+from aiayn.precision import Precision, choose_precision
 from aiayn.training.loss import projected_label_smoothed_loss, rdrop_loss
 from aiayn.training.parts import (
     Checkpointer,
@@ -242,9 +244,12 @@ class Trainer:
             self.model.limit_output_vocab(torch.from_numpy(train.target_token_ids()))
         if self.dist.world_size > 1:  # same initial weights, different dropout masks
             torch.manual_seed(self.tc.seed + 1000 * self.dist.rank)
-        # train.bf16_weights: forward and backward on a bf16 copy, Adam on the float32 master
+        # train.precision, "auto" measured on this machine (aiayn.precision); bf16-weights:
+        # forward and backward on a bf16 copy, Adam on the float32 master
+        self.precision = self._agree_precision(
+            choose_precision(self.tc.precision, self.device, config.model))
         self.compute_model: nn.Module = self.model
-        if self.tc.bf16 and self.tc.bf16_weights:
+        if self.precision.bf16_weights:
             self.compute_model = copy.deepcopy(self.model).to(torch.bfloat16)
         self.ddp_model: nn.Module = self.compute_model
         self._dropout_active: bool | None = None  # set by _schedule_dropout (late dropout)
@@ -263,6 +268,18 @@ class Trainer:
             MetricsSink(self.run_dir, enabled=self.dist.is_main)
         self.checkpointer = checkpointer if checkpointer is not None else \
             Checkpointer(self.run_dir, config, vocab, self.tc.keep_last)
+
+    def _agree_precision(self, mine: Precision) -> Precision:
+        """One precision for every process: each measured its own CPU, and bf16 is used only
+        if every one chose it (a rank that found bf16 slower makes them all fp32)."""
+        if self.dist.world_size == 1 or mine.requested != "auto":
+            return mine
+        flag = torch.tensor([0.0 if mine.chosen == "fp32" else 1.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() == 0.0 and mine.chosen != "fp32":
+            return dataclasses.replace(mine, chosen="fp32", reason=mine.reason + "; another "
+                                       "process found bf16 slower, so every process runs fp32")
+        return mine
 
     # --- data -----------------------------------------------------------------------------
     def data_of_epoch(self, epoch: int) -> EncodedCorpus:
@@ -377,7 +394,7 @@ class Trainer:
     # --- one update -----------------------------------------------------------------------
     def _autocast(self, model: nn.Module) -> contextlib.AbstractContextManager:
         # bf16 weights need no autocast (it would run LayerNorm in float32 and cast around it)
-        if self.tc.bf16 and next(model.parameters()).dtype == torch.float32:
+        if self.precision.autocast and next(model.parameters()).dtype == torch.float32:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -504,7 +521,7 @@ class Trainer:
 
     @torch.no_grad()
     def _sync_compute_weights(self) -> None:
-        """Copy the float32 master weights into the bf16 compute copy (train.bf16_weights)."""
+        """Copy the float32 master weights into the bf16 compute copy (bf16-weights)."""
         if self.compute_model is self.model:
             return
         for master, work in zip(self.model.parameters(), self.compute_model.parameters()):
@@ -550,7 +567,8 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Validation figures of the current weights (see :func:`validation_figures`)."""
         return validation_figures(self.model, self._batch_loss, self.config, self.vocab,
-                                  self.valid, self.valid_encoded, self.device)
+                                  self.valid, self.valid_encoded, self.device,
+                                  bf16=self.precision.autocast)
 
     # --- the loop -------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
@@ -569,6 +587,8 @@ class Trainer:
         """
         tc, s = self.tc, self.state
         self.metrics.open()
+        # what ran, and the probe that chose it: a run's figures depend on it
+        self.metrics.log({"kind": "precision", "step": s.step, **self.precision.to_dict()})
         bar = Progress(self.progress, tc.max_steps, tc.time_budget_s, s.step, s.elapsed_s)
         window, last_valid, bad_in_a_row = Window(), {}, 0
         stop_reason = "max_steps"
@@ -619,6 +639,7 @@ class Trainer:
             "stop_reason": stop_reason, "target_tokens": s.target_tokens,
             "nonfinite_total": s.nonfinite_total,
             "parameters": count_parameters(self.model), **last_valid,
+            "precision": self.precision.to_dict(),
         }
         steal = steal_percent(cpu_start, cpu_times())
         if steal is not None:  # over this call's wall time (validation included)

@@ -173,11 +173,11 @@ BatchLoss = Callable[[nn.Module, Batch], "tuple[torch.Tensor, torch.Tensor, int]
 def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
                        vocab: Vocabulary, valid: ParallelCorpus | None,
                        valid_encoded: EncodedCorpus | None,
-                       device: torch.device) -> dict[str, float]:
+                       device: torch.device, *, bf16: bool = False) -> dict[str, float]:
     """Validation loss and perplexity (per target subword) and greedy BLEU (sacreBLEU, cased,
     detokenized; with ``data.preprocess = "lc-norm-tok"`` the Multi30k protocol's BLEU of the
-    already tokenized text) on the first ``train.eval_bleu_sentences`` pairs. Leaves ``model`` in eval
-    mode."""
+    already tokenized text) on the first ``train.eval_bleu_sentences`` pairs, decoded under bf16
+    autocast when ``bf16`` (the run's resolved precision). Leaves ``model`` in eval mode."""
     model.eval()
     out: dict[str, float] = {}
     if valid_encoded is not None and len(valid_encoded):
@@ -198,7 +198,7 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
         d = config.decode
         hyps = translate_lines(model, vocab, valid.src[:k], beam_size=1, max_len_a=d.max_len_a,
                                max_len_b=d.max_len_b, batch_size=d.batch_size,
-                               bf16=config.train.bf16)
+                               bf16=bf16)
         refs = valid.tgt[:k]
         from aiayn.data.text import is_protocol_text
 

@@ -174,6 +174,7 @@ def run_training(
             f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
             f"run dir {run_dir}")
+        log(f"aiayn train: {trainer.precision.describe()}")
         if config.model.output_vocab == "target":  # the bias limit_output_vocab set
             bias = trainer.model.final_logits_bias
             log(f"aiayn train: output vocabulary {int(torch.isfinite(bias).sum())} of "

@@ -1,0 +1,184 @@
+"""Which floating-point precision a run uses, chosen by measuring the machine at hand.
+
+``train.precision`` and the decoding commands' ``--precision`` take:
+
+- ``fp32``: float32 everywhere (the reference);
+- ``bf16``: ``torch.autocast(dtype=bfloat16)``: matrix products in bf16, float32 weights;
+- ``bf16-weights`` (training only): forward and backward on a bf16 copy of the weights, Adam on
+  the float32 masters (``aiayn.training.loop``);
+- ``auto``: bf16 only where it is faster here. On CUDA that is a device with bf16 support. On a
+  CPU it is decided by :func:`probe_cpu`, which times the model's own matrix-product shapes in
+  fp32 and in bf16 for a few tens of milliseconds: CPUs with native bf16 (AVX-512 BF16, AMX)
+  run those products 3-5x faster than fp32, CPUs without it (AVX2 only: Zen 3, most laptops)
+  40-50x slower, so the choice is never close and never depends on a CPU's name.
+
+Mixed precision is not in the paper (§5.2 trained in float32 on P100 GPUs).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiayn.config import TRAIN_PRECISIONS
+
+if TYPE_CHECKING:
+    import torch
+
+    from aiayn.config import ModelConfig
+
+DECODE_PRECISIONS = ("auto", "fp32", "bf16")
+# bf16 must beat fp32 by this factor to be chosen: its casts, and LayerNorm and softmax around
+# the products, cost time the product probe does not see, and bf16 rounds more
+BF16_MIN_SPEEDUP = 1.25
+PROBE_ROWS = 256  # rows of the probe's products: tokens of a batch, or beams x sentences
+SCREEN_ROWS = 32  # rows of the first, smaller probe that settles it where bf16 is emulated
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved precision and why it was chosen.
+
+    Attributes:
+        requested: what the config or command asked for (one of :data:`TRAIN_PRECISIONS`).
+        chosen: ``fp32``, ``bf16`` or ``bf16-weights``.
+        reason: one line saying why, for logs.
+        fp32_gflops, bf16_gflops: the probe's rates on the model's product shapes, GFLOP/s
+            on the process's current threads (None when no probe ran).
+    """
+
+    requested: str
+    chosen: str
+    reason: str
+    fp32_gflops: float | None = None
+    bf16_gflops: float | None = None
+
+    @property
+    def autocast(self) -> bool:
+        """Whether the model runs under bf16 autocast (``bf16``) or on bf16 weights."""
+        return self.chosen != "fp32"
+
+    @property
+    def bf16_weights(self) -> bool:
+        return self.chosen == "bf16-weights"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """``precision fp32 (auto: ...)``: the line training and decoding print at start."""
+        return f"precision {self.chosen} ({self.requested}: {self.reason})"
+
+
+def product_shapes(model: ModelConfig, rows: int = PROBE_ROWS) -> list[tuple[int, int, int]]:
+    """The (rows, in, out) shapes of the model's linear maps that dominate its time: the
+    feed-forward pair (§3.3), an attention projection (§3.2.2) and the output layer (§3.4, at
+    most 2,048 of its columns: the rate, not the whole layer, is what is measured)."""
+    d, f = model.d_model, model.d_ff
+    return [(rows, d, f), (rows, f, d), (rows, d, d),
+            (rows, d, min(model.target_vocab_size, 2048))]
+
+
+def _seconds_per_call(fn: Any, budget_s: float, max_calls: int = 10) -> float:
+    fn()  # the first call builds the kernel (oneDNN primitive creation, ~ms)
+    calls, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= budget_s or calls >= max_calls:
+            return elapsed / calls
+
+
+def _rates(shapes: list[tuple[int, int, int]], budget_s: float) -> tuple[float, float]:
+    import torch
+    import torch.nn.functional as F
+
+    flops = sum(2.0 * m * k * n for m, k, n in shapes)
+    per_dtype = []
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        pairs = [(torch.randn(m, k, generator=gen).to(dtype),
+                  torch.randn(n, k, generator=gen).to(dtype)) for m, k, n in shapes]
+
+        def run(pairs: list = pairs) -> None:
+            for x, w in pairs:
+                F.linear(x, w)
+
+        per_dtype.append(flops / _seconds_per_call(run, budget_s) / 1e9)
+    return per_dtype[0], per_dtype[1]
+
+
+@functools.cache
+def _probe(shapes: tuple[tuple[int, int, int], ...], threads: int) -> tuple[float, float]:
+    # a screen of the first shape on a few rows: where bf16 is emulated (2-20 GFLOP/s against
+    # 50-100 in fp32) the full shapes would take a second, and the screen alone decides
+    screen = [(SCREEN_ROWS, k, n) for _, k, n in shapes[:1]]
+    fp32, bf16 = _rates(screen, budget_s=0.002)
+    if bf16 < BF16_MIN_SPEEDUP * fp32:
+        return fp32, bf16
+    return _rates(list(shapes), budget_s=0.005)
+
+
+def probe_cpu(model: ModelConfig, rows: int = PROBE_ROWS) -> tuple[float, float]:
+    """(fp32, bf16) GFLOP/s of ``model``'s product shapes (:func:`product_shapes`) on this CPU
+    and the process's current thread count. Takes 5-60 ms; the result is kept for the
+    process's life (one probe per shape and thread count)."""
+    import torch
+
+    return _probe(tuple(product_shapes(model, rows)), torch.get_num_threads())
+
+
+def choose_precision(requested: str, device: torch.device | str, model: ModelConfig, *,
+                     training: bool = True, rows: int = PROBE_ROWS) -> Precision:
+    """Resolve ``requested`` (``auto`` or an explicit precision) on ``device``.
+
+    ``auto`` gives ``bf16-weights`` for training (``bf16`` for decoding) where bf16 is faster
+    than fp32 by at least :data:`BF16_MIN_SPEEDUP` on ``model``'s product shapes, else ``fp32``;
+    on CUDA ``bf16`` autocast where the device supports bf16. An explicit precision is kept,
+    with a warning in ``reason`` when the probe finds bf16 slower on this CPU.
+
+    Raises:
+        ValueError: an unknown precision, or ``bf16-weights`` for decoding.
+    """
+    import torch
+
+    allowed = TRAIN_PRECISIONS if training else DECODE_PRECISIONS
+    if requested not in allowed:
+        raise ValueError(f"precision {requested!r}: expected one of {', '.join(allowed)}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if requested != "auto":
+            return Precision(requested, requested, "as asked")
+        if torch.cuda.is_bf16_supported():
+            return Precision(requested, "bf16", f"{torch.cuda.get_device_name(device)} "
+                                                "supports bf16")
+        return Precision(requested, "fp32", f"{torch.cuda.get_device_name(device)} has no bf16")
+    if requested == "fp32":
+        return Precision(requested, "fp32", "as asked")  # no probe: nothing depends on it
+    fp32, bf16 = probe_cpu(model, rows)
+    rates = f"bf16 {bf16:.1f} against fp32 {fp32:.1f} GFLOP/s on the model's products"
+    faster = bf16 >= BF16_MIN_SPEEDUP * fp32
+    if requested == "auto":
+        chosen = ("bf16-weights" if training else "bf16") if faster else "fp32"
+        return Precision(requested, chosen, rates, round(fp32, 1), round(bf16, 1))
+    note = "as asked" if bf16 >= fp32 else \
+        f"as asked, but this CPU runs bf16 {fp32 / bf16:.0f}x slower than fp32 (use auto)"
+    return Precision(requested, requested, f"{note}; {rates}", round(fp32, 1), round(bf16, 1))
+
+
+def decoding_precision_after(trained: Precision | dict[str, Any]) -> str:
+    """The decoding precision that goes with a run's resolved training precision (a
+    :class:`Precision` or its ``to_dict()``, as ``train_summary.json`` holds it): ``bf16``
+    autocast after bf16 or bf16-weights training, which the probe chose on this machine, else
+    ``fp32``."""
+    chosen = trained.chosen if isinstance(trained, Precision) else trained["chosen"]
+    return "fp32" if chosen == "fp32" else "bf16"
+
+
+def default_decoding_precision(train_precision: str) -> str:
+    """The decoding precision a checkpoint gets when none is asked for: ``fp32`` for a model
+    trained with ``train.precision = "fp32"`` (asked for explicitly, so kept), else ``auto``."""
+    return "fp32" if train_precision == "fp32" else "auto"
