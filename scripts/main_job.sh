@@ -7,11 +7,17 @@
 # test_2016_flickr once with the ensemble, print BLEU and chrF.
 # Extra arguments go to `aiayn pipeline` and win over these (e.g. --tgt-lang fr,
 # --time-budget-min 10, or --preset multi30k --ensemble 1 for the single v9 model).
+# The precision is the machine's (train.precision = "auto"): bf16 weights on a CPU with native
+# bf16, fp32 on one without (AVX2 only), as the job's first lines say.
+# AIAYN_PYTHON=PATH: run with that Python's aiayn as it is, without the setup (bench/gpu_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+if [ -z "${AIAYN_PYTHON:-}" ]; then
+  bash scripts/setup.sh
+  AIAYN_PYTHON=.venv/bin/python
+fi
 if [ -z "${AIAYN_DATA_DIR:-}" ] && [ -d ../shared/data/multi30k ]; then
   export AIAYN_DATA_DIR="$(cd ../shared/data && pwd)"
 fi  # unset and no ../shared/data: Multi30k is downloaded and checked by sha256
-exec .venv/bin/aiayn pipeline --preset multi30k-ensemble --ensemble 2 --alphas 0.6 1.0 1.4 \
+exec "$AIAYN_PYTHON" -m aiayn pipeline --preset multi30k-ensemble --ensemble 2 --alphas 0.6 1.0 1.4 \
   --average 5 10 "$@"

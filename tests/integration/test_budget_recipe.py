@@ -174,6 +174,7 @@ def test_lc_norm_tok_text_is_the_shipped_references(data_dir: Path) -> None:
         assert load_split(d, "valid").src == f.read().splitlines()
 
 
+@pytest.mark.slow
 def test_pipeline_and_translate_in_the_literature_text(data_dir: Path, tmp_path: Path,
                                                        capsys) -> None:
     run_dir = tmp_path / "run"

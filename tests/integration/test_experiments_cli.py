@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from nltk.tree import Tree
 
 from aiayn.cli import main
@@ -12,6 +13,7 @@ from aiayn.experiments.table3 import ROW_NAMES
 from aiayn.parsing.trees import is_well_formed, linearize
 
 
+@pytest.mark.slow
 def test_table3_runs_scores_and_resumes(data_dir, tmp_path, capsys):
     from aiayn.data.corpus import load_dataset
 

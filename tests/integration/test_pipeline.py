@@ -12,7 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from aiayn.cli import main
+
+pytestmark = pytest.mark.slow  # whole pipelines: 4-46 s each (`-m "not slow"` leaves them out)
 
 
 def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) -> None:

@@ -15,6 +15,8 @@ from serving import artifacts_dir, serve_process, tiny_checkpoint
 
 from aiayn.serve.loadtest import run_load
 
+pytestmark = pytest.mark.slow  # a live server, a browser and 2,000 requests
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

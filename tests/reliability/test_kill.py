@@ -22,9 +22,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from rel_helpers import small_config, tree_hashes
 
 from aiayn.checkpoint import list_checkpoints, load_checkpoint, load_training_state
+
+pytestmark = pytest.mark.slow  # many training processes started and killed
 
 TRIALS = 20
 

@@ -1,0 +1,285 @@
+"""The GPU check: aiayn's CUDA paths end to end, one line per check, in under 8 minutes on one GPU.
+
+Run it where a GPU is (see ``bench/gpu_check.sh``, which calls this file):
+
+    bash bench/gpu_check.sh                       # on CUDA, the full budgets
+    bash bench/gpu_check.sh --device cpu --quick  # the same checks on a CPU, small (the tests)
+
+Checks, in order:
+
+- ``train``: ``aiayn train`` of the ``multi30k`` preset in bf16 on CUDA (``train.precision``
+  auto on a CPU) for 150 updates, then ``--resume`` to 300; target tokens/s, the precision chosen,
+  and that the resumed run ends at the asked step.
+- ``collective``: ``torchrun`` with one process per GPU (two on a CPU): the process group
+  (NCCL on CUDA, gloo on a CPU) and an all-reduce, with its bus bandwidth.
+- ``torchrun``: ``aiayn train`` under ``torchrun``, those processes, DistributedDataParallel.
+- ``bench_train``: ``bench/bench_train.py``: aiayn against ``torch.nn.Transformer``, MFU.
+- ``bench_decode``: ``bench/bench_decode_peers.py``: beam-4 sentences/s against CTranslate2.
+- ``main_job``: ``scripts/main_job.sh`` with a 5-minute budget: Multi30k test BLEU.
+
+Each prints ``check NAME: ok  FIGURES`` or ``check NAME: FAILED (...)``, with every command's
+output in ``--out DIR/NAME.log``; ``--json`` prints one JSON object at the end. Exit status 1
+when a check failed, 2 for bad arguments or a missing GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKS = ("train", "collective", "torchrun", "bench_train", "bench_decode", "main_job")
+
+
+@dataclass
+class Plan:
+    """What one run of the check does: its device, budgets and commands' arguments."""
+
+    device: str  # "cuda" or "cpu"
+    quick: bool
+    python: str
+    out: Path
+    nproc: int  # processes under torchrun
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    @property
+    def precision(self) -> str:
+        """bf16 on CUDA, as the check is meant to cover; on a CPU the machine's own choice."""
+        return "bf16" if self.device == "cuda" else "auto"
+
+    def train_args(self, run_dir: Path, steps: int) -> list[str]:
+        preset = ["--preset", "tiny", "--set", "data.train_limit=2000"] if self.quick \
+            else ["--preset", "multi30k"]
+        return ["train", *preset, "--run-dir", str(run_dir), "--device", self.device,
+                "--no-progress", "--json", "--set", f"train.precision={self.precision}",
+                "--set", f"train.max_steps={steps}", "--set", "train.time_budget_s=0",
+                "--set", f"train.checkpoint_every_steps={max(1, steps // 2)}",
+                "--set", "train.checkpoint_every_s=0", "--set", "train.eval_bleu_sentences=0",
+                "--set", f"train.eval_every_steps={steps}"]
+
+    def aiayn(self, *args: str) -> list[str]:
+        return [self.python, "-m", "aiayn", *args]
+
+    def torchrun(self, *args: str) -> list[str]:
+        return [self.python, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={self.nproc}", *args]
+
+
+def make_plan(device: str, quick: bool, python: str, out: Path, gpus: int) -> Plan:
+    """The plan for ``device``; ``gpus``: CUDA devices seen (one torchrun process each)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"--device {device!r}: expected cuda or cpu")
+    if device == "cuda" and gpus < 1:
+        raise ValueError("--device cuda: no CUDA GPU is visible here (torch.cuda.device_count() "
+                         "is 0); run it on the GPU machine, or --device cpu --quick")
+    nproc = gpus if device == "cuda" else 2
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    return Plan(device, quick, python, out, nproc, env)
+
+
+def last_json(text: str) -> dict[str, Any]:
+    """The last line of ``text`` that is a JSON object (commands print logs before it).
+
+    Raises:
+        ValueError: there is none.
+    """
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    raise ValueError("no JSON line in the output")
+
+
+def tokens_per_s(summary: dict[str, Any]) -> float:
+    return summary["target_tokens"] / max(summary["elapsed_s"], 1e-9)
+
+
+# --- the checks: each runs its commands and returns its figures ---------------------------------
+
+Runner = Callable[[list[str], float], str]
+
+
+def check_train(plan: Plan, run: Runner) -> dict[str, Any]:
+    steps = 20 if plan.quick else 300
+    run_dir = plan.out / "train-run"
+    first = last_json(run(plan.aiayn(*plan.train_args(run_dir, steps // 2)), 300))
+    resumed = last_json(run(plan.aiayn(*plan.train_args(run_dir, steps), "--resume"), 300))
+    if resumed["steps"] != steps:
+        raise RuntimeError(f"the resumed run ended at step {resumed['steps']}, not {steps}")
+    return {"precision": first["precision"]["chosen"], "steps": resumed["steps"],
+            "tokens_per_s": round(tokens_per_s(first)), "valid_nll": resumed.get("valid_nll")}
+
+
+def check_collective(plan: Plan, run: Runner) -> dict[str, Any]:
+    got = last_json(run(plan.torchrun(str(Path(__file__).resolve()), "--collective",
+                                      "--device", plan.device), 120))
+    if got["sum"] != got["expected"]:
+        raise RuntimeError(f"all_reduce gave {got['sum']}, expected {got['expected']}")
+    return got
+
+
+def check_torchrun(plan: Plan, run: Runner) -> dict[str, Any]:
+    steps = 4 if plan.quick else 100
+    summary = last_json(run(plan.torchrun("-m", "aiayn", *plan.train_args(
+        plan.out / "torchrun-run", steps)), 300))
+    if summary["steps"] != steps:
+        raise RuntimeError(f"torchrun's run ended at step {summary['steps']}, not {steps}")
+    return {"processes": plan.nproc, "backend": plan.backend, "steps": summary["steps"],
+            "tokens_per_s": round(tokens_per_s(summary))}
+
+
+def check_bench_train(plan: Plan, run: Runner) -> dict[str, Any]:
+    extra = ["--presets", "tiny", "--steps", "2", "--warmup", "0"] if plan.quick \
+        else ["--presets", "multi30k", "base", "--steps", "10"]
+    got = last_json(run([plan.python, str(ROOT / "bench" / "bench_train.py"), "--device",
+                         plan.device, "--json", *extra], 300))
+    return {r["preset"]: {"ratio_bf16": round(r["ratio_bf16"], 2),
+                          "mfu_bf16": round(r["mfu_bf16"], 3)} for r in got["rows"]}
+
+
+def check_bench_decode(plan: Plan, run: Runner) -> dict[str, Any]:
+    out = plan.out / "bench_decode.json"
+    extra = (["--models", "multi30k", "--searches", "greedy", "--sentences", "16", "--length",
+              "4", "--skip", "hf-fp32", "hf-bf16"] if plan.quick
+             else ["--models", "base", "--searches", "beam4", "--sentences", "256"])
+    run([plan.python, str(ROOT / "bench" / "bench_decode_peers.py"), "--device", plan.device,
+         "--json-out", str(out), "--work-dir", str(plan.out / "bench_decode-work"), *extra], 420)
+    rows = json.loads(out.read_text(encoding="utf-8"))["results"]
+    return {r["system"]: {"sent_per_s": round(r["sent_per_s"], 1),
+                          "x_ct2_int8": round(r.get("x_ct2_int8_best", float("nan")), 2)}
+            for r in rows}
+
+
+def check_main_job(plan: Plan, run: Runner) -> dict[str, Any]:
+    extra = (["--time-budget-min", "0.2", "--preset", "tiny", "--ensemble", "1", "--alphas",
+              "0.6", "--average", "1", "--set", "data.train_limit=2000", "--set",
+              "decode.max_len_b=5"] if plan.quick else ["--time-budget-min", "5"])
+    got = last_json(run(["bash", str(ROOT / "scripts" / "main_job.sh"), "--device",
+                         plan.device, "--run-dir", str(plan.out / "main_job-run"), "--json",
+                         "--no-progress", *extra], 600))
+    return {"multi30k_tok_bleu": got.get("multi30k_tok_bleu"), "train_steps": got["train_steps"],
+            "precision": got["precision"]["chosen"], "decode_wall_s": got["decode_wall_s"]}
+
+
+CHECK_FUNCTIONS = {"train": check_train, "collective": check_collective,
+                   "torchrun": check_torchrun, "bench_train": check_bench_train,
+                   "bench_decode": check_bench_decode, "main_job": check_main_job}
+
+
+def collective_worker(device: str) -> int:
+    """Under torchrun: join the group (NCCL on CUDA, gloo on a CPU), all-reduce, print JSON."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device == "cuda" \
+        else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    x = torch.full((1,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    big = torch.ones(64 * 2**20 // 4, device=dev)  # 64 MiB: a bandwidth, not a latency
+    dist.all_reduce(big)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dist.all_reduce(big)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = (time.perf_counter() - t0) / 5
+    # the ring all-reduce's bus bandwidth, as nccl-tests reports it
+    bus = big.numel() * 4 * 2 * (world - 1) / max(world, 1) / seconds / 1e9
+    if rank == 0:
+        print(json.dumps({"backend": dist.get_backend(), "world_size": world,
+                          "sum": float(x.item()), "expected": world * (world + 1) / 2,
+                          "bus_gb_s": round(bus, 2)}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def run_checks(plan: Plan, names: list[str], say: Callable[[str], None]) -> dict[str, Any]:
+    """Run the checks ``names`` in order; returns {name: {"ok", "seconds", figures or error}}."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for name in names:
+        log = plan.out / f"{name}.log"
+        log.write_text("", encoding="utf-8")
+
+        def run(cmd: list[str], timeout_s: float, log: Path = log) -> str:
+            with open(log, "a", encoding="utf-8") as f:
+                f.write("$ " + " ".join(cmd) + "\n")
+            done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                                  env={**os.environ, **plan.env}, timeout=timeout_s)
+            with open(log, "a", encoding="utf-8") as f:
+                f.write(done.stdout + done.stderr)
+            if done.returncode != 0:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+                raise RuntimeError(f"exit {done.returncode}: {tail[0][:200]}")
+            return done.stdout
+
+        t0 = time.monotonic()
+        try:
+            figures = CHECK_FUNCTIONS[name](plan, run)
+            results[name] = {"ok": True, "seconds": round(time.monotonic() - t0, 1), **figures}
+            say(f"check {name}: ok  {json.dumps(figures)}  ({results[name]['seconds']} s)")
+        except (RuntimeError, ValueError, KeyError, OSError,
+                subprocess.TimeoutExpired) as err:
+            results[name] = {"ok": False, "seconds": round(time.monotonic() - t0, 1),
+                             "error": str(err)}
+            say(f"check {name}: FAILED ({err}; the output is in {log})")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny budgets and models: checks the wiring, not the speed")
+    p.add_argument("--only", nargs="+", choices=CHECKS, default=None, help="run these checks")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where runs and logs go (default: a new temporary folder)")
+    p.add_argument("--python", default=sys.executable,
+                   help="the Python that has aiayn's dependencies and torch (default: this one)")
+    p.add_argument("--json", action="store_true", help="also print one JSON object at the end")
+    p.add_argument("--collective", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.collective:
+        return collective_worker(args.device)
+    import torch
+
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="aiayn-gpu-check-"))
+    try:
+        plan = make_plan(args.device, args.quick, args.python, out, torch.cuda.device_count())
+    except ValueError as err:
+        print(f"gpu_check: {err}", file=sys.stderr)
+        return 2
+    where = torch.cuda.get_device_name(0) if args.device == "cuda" else \
+        f"cpu ({torch.backends.cpu.get_cpu_capability()})"
+    print(f"gpu_check: {where}, torch {torch.__version__}, {plan.nproc} torchrun process(es), "
+          f"{'quick' if args.quick else 'full'} budgets; logs in {out}", flush=True)
+    results = run_checks(plan, args.only or list(CHECKS), lambda s: print(s, flush=True))
+    if args.json:
+        print(json.dumps({"device": where, "quick": args.quick, "checks": results}))
+    return 0 if all(r["ok"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

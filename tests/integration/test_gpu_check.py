@@ -1,0 +1,106 @@
+"""bench/gpu_check.sh: its logic on any machine, and every check end to end on a CPU (--quick),
+so that the script runs the first time a GPU is lent; the CUDA branch of the precision choice
+with torch's CUDA queries stood in for."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiayn.config import load_config
+from aiayn.precision import choose_precision
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_plan_refuses_cuda_without_a_gpu_and_names_the_device(tmp_path: Path) -> None:
+    gc = _gpu_check()
+    with pytest.raises(ValueError, match="no CUDA GPU is visible"):
+        gc.make_plan("cuda", False, sys.executable, tmp_path, gpus=0)
+    with pytest.raises(ValueError, match="'tpu'"):
+        gc.make_plan("tpu", False, sys.executable, tmp_path, gpus=1)
+
+
+def test_on_cuda_the_plan_trains_in_bf16_with_one_nccl_process_per_gpu(tmp_path: Path) -> None:
+    gc = _gpu_check()
+    plan = gc.make_plan("cuda", False, "py", tmp_path, gpus=4)
+    assert (plan.nproc, plan.backend, plan.precision) == (4, "nccl", "bf16")
+    args = plan.train_args(tmp_path / "r", 300)
+    assert args[:3] == ["train", "--preset", "multi30k"]
+    assert "train.precision=bf16" in args and "train.max_steps=300" in args
+    assert "--device" in args and args[args.index("--device") + 1] == "cuda"
+    assert plan.torchrun("-m", "aiayn")[:5] == ["py", "-m", "torch.distributed.run",
+                                                "--standalone", "--nproc_per_node=4"]
+    cpu = gc.make_plan("cpu", True, "py", tmp_path, gpus=0)
+    assert (cpu.nproc, cpu.backend, cpu.precision) == (2, "gloo", "auto")
+    assert cpu.train_args(tmp_path / "r", 20)[:3] == ["train", "--preset", "tiny"]
+
+
+def test_last_json_takes_the_summary_after_the_log_lines() -> None:
+    gc = _gpu_check()
+    text = 'aiayn train: 10 pairs\n{"steps": 3}\nnot json {\n{"steps": 4, "x": [1]}\n'
+    assert gc.last_json(text) == {"steps": 4, "x": [1]}
+    with pytest.raises(ValueError, match="no JSON line"):
+        gc.last_json("aiayn train: nothing\n{broken\n")
+
+
+def test_a_failing_check_is_reported_with_its_log_and_the_others_still_run(
+        tmp_path: Path) -> None:
+    gc = _gpu_check()
+    plan = gc.make_plan("cpu", True, sys.executable, tmp_path, gpus=0)
+    gc.CHECK_FUNCTIONS = {**gc.CHECK_FUNCTIONS,
+                          "bad": lambda plan, run: run([sys.executable, "-c", "import sys; "
+                                                        "sys.exit('boom')"], 30),
+                          "good": lambda plan, run: {"echo": run(["echo", "hi"], 30).strip()}}
+    lines: list[str] = []
+    results = gc.run_checks(plan, ["bad", "good"], lines.append)
+    assert results["bad"]["ok"] is False and "boom" in results["bad"]["error"]
+    assert results["good"] == {"ok": True, "seconds": results["good"]["seconds"], "echo": "hi"}
+    assert lines[0].startswith("check bad: FAILED") and str(tmp_path / "bad.log") in lines[0]
+    assert "boom" in (tmp_path / "bad.log").read_text()
+    assert lines[1].startswith('check good: ok  {"echo": "hi"}')
+
+
+def test_auto_precision_on_cuda_follows_the_device_bf16_support(monkeypatch) -> None:
+    model = load_config("multi30k").model
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    got = choose_precision("auto", "cuda", model)
+    assert (got.chosen, got.fp32_gflops) == ("bf16", None) and "Fake GPU" in got.reason
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert choose_precision("auto", "cuda", model).chosen == "fp32"
+    assert choose_precision("bf16-weights", "cuda", model).chosen == "bf16-weights"
+
+
+@pytest.mark.slow
+def test_every_check_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--device", "cpu",
+                           "--quick", "--json", "--out", str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=900)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0, done.stdout + done.stderr
+    checks = json.loads(lines[-1])["checks"]
+    assert list(checks) == ["train", "collective", "torchrun", "bench_train", "bench_decode",
+                            "main_job"]
+    assert all(c["ok"] for c in checks.values())
+    assert [line.split(":")[0] for line in lines if line.startswith("check ")] == \
+        [f"check {name}" for name in checks]
+    assert checks["train"]["steps"] == 20 and checks["torchrun"]["steps"] == 4
+    assert checks["collective"]["world_size"] == 2
+    assert checks["main_job"]["train_steps"] > 0
