@@ -95,14 +95,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_rate(size: int = 2048, reps: int = 6, device: torch.device | None = None) -> float:
-    """FLOP/s of a bf16 ``size``^3 matrix product on ``device`` (this machine's current
-    threads on a CPU)."""
+def matmul_rate(size: int = 2048, reps: int = 6, device: torch.device | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of a ``size``^3 matrix product in ``dtype`` on ``device`` (this machine's
+    current threads on a CPU)."""
     device = device or torch.device("cpu")
     if device.type == "cuda":
         size, reps = 8192, 20
-    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
-    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     for _ in range(2):
         a @ b
     _sync(device)
@@ -190,11 +191,19 @@ def main() -> None:
     vocab = Vocabulary.learn(corpus.src + corpus.tgt, 8000)
     enc = encode_corpus(vocab, corpus, 128)
     src_len, tgt_len = enc.src_lengths(), enc.tgt_lengths()
-    peak = matmul_rate(device=device)
     say = (lambda *a, **k: None) if args.json else print
-    say(f"bf16 matmul: {peak / 1e9:.0f} GFLOP/s on "
-        + (torch.cuda.get_device_name(device) if device.type == "cuda"
-           else f"{torch.get_num_threads()} threads"))
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{torch.get_num_threads()} threads")
+    # bf16 only where the hardware has it: emulated bf16 (AVX2-only CPUs) runs 40x slower than
+    # fp32, and its figures would say nothing about aiayn
+    native_bf16 = device.type == "cuda" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    peak_fp32 = matmul_rate(device=device, dtype=torch.float32)
+    say(f"fp32 matmul: {peak_fp32 / 1e9:.0f} GFLOP/s on {where}")
+    peak = matmul_rate(device=device) if native_bf16 else peak_fp32
+    if native_bf16:
+        say(f"bf16 matmul: {peak / 1e9:.0f} GFLOP/s on {where}")
+    else:
+        say(f"no native bf16 here ({torch.backends.cpu.get_cpu_capability()}): fp32 rows only")
     rows = []
     for preset in args.presets:
         base = [f"model.vocab_size={len(vocab)}", f"data.max_tokens={args.max_tokens}",
@@ -202,16 +211,20 @@ def main() -> None:
                 "train.checkpoint_every_s=0"]
         row: dict = {"preset": preset}
         order: list[list[int]] = []
-        for name, extra in (("aiayn_fp32", ["train.precision=fp32"]),
-                            ("aiayn_bf16", ["train.precision=bf16"]),
-                            ("aiayn_bf16_weights", ["train.precision=bf16-weights"]),
-                            ("aiayn_target_vocab", ["train.precision=bf16-weights",
-                                                    "model.output_vocab=target"])):
+        ours = (("aiayn_fp32", ["train.precision=fp32"]),
+                ("aiayn_bf16", ["train.precision=bf16"]),
+                ("aiayn_bf16_weights", ["train.precision=bf16-weights"]),
+                ("aiayn_target_vocab", ["train.precision=bf16-weights",
+                                        "model.output_vocab=target"]))
+        peers = (("torch_fp32", False, False), ("torch_bf16", True, False),
+                 ("torch_bf16_aiayn_loss", True, True))
+        if not native_bf16:
+            ours, peers = ours[:1], peers[:1]
+        for name, extra in ours:
             config = load_config(preset, base + extra)
             row[name], order = time_aiayn(config, vocab, enc, args.steps, args.warmup, device)
         cfg = load_config(preset, base).model
-        for name, bf16, ours_loss in (("torch_fp32", False, False), ("torch_bf16", True, False),
-                                      ("torch_bf16_aiayn_loss", True, True)):
+        for name, bf16, ours_loss in peers:
             row[name] = time_peer(cfg, enc, order, bf16, ours_loss, args.warmup, device)
         tokens = sum(int(tgt_len[i]) for idx in order for i in idx)
         flops = sum(pair_flops(cfg, int(src_len[i]), int(tgt_len[i]))
@@ -220,39 +233,58 @@ def main() -> None:
         kept = len(enc.target_token_ids())
         target_flops_per_token = sum(pair_flops(cfg, int(src_len[i]), int(tgt_len[i]), kept)
                                      for idx in order for i in idx) / tokens
-        best = max(row["aiayn_bf16"], row["aiayn_bf16_weights"])
         row.update({
             "ratio_fp32": row["aiayn_fp32"] / row["torch_fp32"],
-            "ratio_bf16": row["aiayn_bf16"] / row["torch_bf16"],
-            "ratio_bf16_weights": row["aiayn_bf16_weights"] / row["torch_bf16"],
             "model_gflop_per_token": flops_per_token / 1e9,
-            "mfu_bf16": row["aiayn_bf16"] * flops_per_token / peak,
-            "mfu_bf16_weights": row["aiayn_bf16_weights"] * flops_per_token / peak,
-            "ratio_target_vocab": row["aiayn_target_vocab"] / row["torch_bf16"],
-            "output_vocab_target": kept,
-            "model_gflop_per_token_target_vocab": target_flops_per_token / 1e9,
-            "mfu_target_vocab": row["aiayn_target_vocab"] * target_flops_per_token / peak,
-            "mfu_torch_bf16": row["torch_bf16"] * flops_per_token / peak,
-            "mfu_best": best * flops_per_token / peak,
-        })
+            "mfu_fp32": row["aiayn_fp32"] * flops_per_token / peak_fp32})
+        if native_bf16:
+            _bf16_figures(row, flops_per_token, target_flops_per_token, kept, peak)
         rows.append({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
         r = rows[-1]
         say(f"{preset}: target tok/s (model {r['model_gflop_per_token'] * 1e3:.1f} MFLOP/token)")
         say(f"  aiayn fp32 {r['aiayn_fp32']:7.0f}   torch.nn.Transformer fp32 "
-            f"{r['torch_fp32']:7.0f}   ratio {r['ratio_fp32']:.2f}x")
-        say(f"  aiayn bf16 {r['aiayn_bf16']:7.0f}   torch.nn.Transformer bf16 "
-            f"{r['torch_bf16']:7.0f}   ratio {r['ratio_bf16']:.2f}x   MFU {r['mfu_bf16']:.1%} "
-            f"(torch.nn.Transformer {r['mfu_torch_bf16']:.1%})")
-        say(f"  aiayn bf16 weights {r['aiayn_bf16_weights']:7.0f}   ratio "
-            f"{r['ratio_bf16_weights']:.2f}x   MFU {r['mfu_bf16_weights']:.1%}")
-        say(f"  aiayn bf16 weights, output_vocab target ({r['output_vocab_target']} tokens, "
-            f"{r['model_gflop_per_token_target_vocab'] * 1e3:.1f} MFLOP/token) "
-            f"{r['aiayn_target_vocab']:7.0f}   ratio {r['ratio_target_vocab']:.2f}x   "
-            f"MFU {r['mfu_target_vocab']:.1%}")
-        say(f"  torch.nn.Transformer bf16 with aiayn's loss {r['torch_bf16_aiayn_loss']:7.0f}")
+            f"{r['torch_fp32']:7.0f}   ratio {r['ratio_fp32']:.2f}x   MFU {r['mfu_fp32']:.1%} "
+            "of the fp32 product")
+        if native_bf16:
+            _say_bf16(say, r)
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
-                          "matmul_bf16_gflop_s": round(peak / 1e9, 1), "rows": rows}))
+                          "native_bf16": native_bf16,
+                          "matmul_fp32_gflop_s": round(peak_fp32 / 1e9, 1),
+                          "matmul_bf16_gflop_s": round(peak / 1e9, 1) if native_bf16 else None,
+                          "rows": rows}))
+
+
+def _bf16_figures(row: dict, flops_per_token: float, target_flops_per_token: float, kept: int,
+                  peak: float) -> None:
+    """The bf16 rows' ratios to torch.nn.Transformer bf16 and their MFU of the bf16 peak."""
+    best = max(row["aiayn_bf16"], row["aiayn_bf16_weights"])
+    row.update({
+        "ratio_bf16": row["aiayn_bf16"] / row["torch_bf16"],
+        "ratio_bf16_weights": row["aiayn_bf16_weights"] / row["torch_bf16"],
+        "mfu_bf16": row["aiayn_bf16"] * flops_per_token / peak,
+        "mfu_bf16_weights": row["aiayn_bf16_weights"] * flops_per_token / peak,
+        "ratio_target_vocab": row["aiayn_target_vocab"] / row["torch_bf16"],
+        "output_vocab_target": kept,
+        "model_gflop_per_token_target_vocab": target_flops_per_token / 1e9,
+        "mfu_target_vocab": row["aiayn_target_vocab"] * target_flops_per_token / peak,
+        "mfu_torch_bf16": row["torch_bf16"] * flops_per_token / peak,
+        "mfu_best": best * flops_per_token / peak,
+    })
+
+
+def _say_bf16(say, r: dict) -> None:
+    """Print the bf16 rows of one preset."""
+    say(f"  aiayn bf16 {r['aiayn_bf16']:7.0f}   torch.nn.Transformer bf16 "
+        f"{r['torch_bf16']:7.0f}   ratio {r['ratio_bf16']:.2f}x   MFU {r['mfu_bf16']:.1%} "
+        f"(torch.nn.Transformer {r['mfu_torch_bf16']:.1%})")
+    say(f"  aiayn bf16 weights {r['aiayn_bf16_weights']:7.0f}   ratio "
+        f"{r['ratio_bf16_weights']:.2f}x   MFU {r['mfu_bf16_weights']:.1%}")
+    say(f"  aiayn bf16 weights, output_vocab target ({r['output_vocab_target']} tokens, "
+        f"{r['model_gflop_per_token_target_vocab'] * 1e3:.1f} MFLOP/token) "
+        f"{r['aiayn_target_vocab']:7.0f}   ratio {r['ratio_target_vocab']:.2f}x   "
+        f"MFU {r['mfu_target_vocab']:.1%}")
+    say(f"  torch.nn.Transformer bf16 with aiayn's loss {r['torch_bf16_aiayn_loss']:7.0f}")
 
 
 if __name__ == "__main__":

@@ -149,8 +149,10 @@ def check_bench_train(plan: Plan, run: Runner) -> dict[str, Any]:
         else ["--presets", "multi30k", "base", "--steps", "10"]
     got = last_json(run([plan.python, str(ROOT / "bench" / "bench_train.py"), "--device",
                          plan.device, "--json", *extra], 300))
-    return {r["preset"]: {"ratio_bf16": round(r["ratio_bf16"], 2),
-                          "mfu_bf16": round(r["mfu_bf16"], 3)} for r in got["rows"]}
+    # bf16 figures where the device has bf16 (CUDA, a bf16-class CPU), else fp32's
+    kind = "bf16" if got["native_bf16"] else "fp32"
+    return {r["preset"]: {f"ratio_{kind}": round(r[f"ratio_{kind}"], 2),
+                          f"mfu_{kind}": round(r[f"mfu_{kind}"], 3)} for r in got["rows"]}
 
 
 def check_bench_decode(plan: Plan, run: Runner) -> dict[str, Any]:
