@@ -230,3 +230,28 @@ def test_bad_override_is_rejected(override, words):
         load_config("tiny", [override])
     for word in words:
         assert word in str(err.value)
+
+
+@pytest.mark.parametrize("bf16, weights, precision", [
+    (False, False, "fp32"), (True, False, "bf16"), (True, True, "bf16-weights")])
+def test_a_run_written_before_train_precision_loads_with_the_precision_it_meant(
+        tmp_path, bf16, weights, precision):
+    data = load_config("multi30k").to_dict()
+    del data["train"]["precision"]
+    data["train"].update(bf16=bf16, bf16_weights=weights)  # as config.json files held them
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    assert load_config(str(path)).train.precision == precision
+    data["train"]["precision"] = "fp32"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="train.precision alone"):
+        load_config(str(path))
+
+
+def test_the_old_bf16_override_names_its_successor():
+    with pytest.raises(ValueError, match=r"train.bf16_weights is now train.precision \(one of "
+                                         r"auto, fp32, bf16, bf16-weights\)"):
+        load_config("multi30k", ["train.bf16_weights=true"])
+    assert load_config("multi30k", ["train.precision=fp32"]).train.precision == "fp32"
+    assert load_config("multi30k").train.precision == "auto"
+    assert load_config("tiny").train.precision == "fp32"
