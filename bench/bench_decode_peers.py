@@ -22,7 +22,7 @@ timed region for the peers and inside it for aiayn (``translate_nbest`` from tex
 With ``--device cuda`` every system runs on the GPU (aiayn's CPU-only fast paths and
 CTranslate2's ISA variants left out). On a CPU without AVX-512 the AVX512 variant is skipped (it
 would die of an illegal instruction), and on one without native bf16 so are the bf16 systems
-(emulated bf16 runs 40x slower than fp32 there).
+(emulated bf16 runs 5-45x slower than fp32 there).
 
 For each model size and search it prints sentences/s, the ratio to CTranslate2 int8 at its
 faster ISA, measured in the same run, and for aiayn's paths the share of sentences token-identical to aiayn

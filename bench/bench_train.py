@@ -194,7 +194,7 @@ def main() -> None:
     say = (lambda *a, **k: None) if args.json else print
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"{torch.get_num_threads()} threads")
-    # bf16 only where the hardware has it: emulated bf16 (AVX2-only CPUs) runs 40x slower than
+    # bf16 only where the hardware has it: emulated bf16 (AVX2-only CPUs) runs 5-45x slower than
     # fp32, and its figures would say nothing about aiayn
     native_bf16 = device.type == "cuda" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     peak_fp32 = matmul_rate(device=device, dtype=torch.float32)

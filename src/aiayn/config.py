@@ -27,8 +27,8 @@ LR_SCHEDULE_TITLES = {"inverse_sqrt": "§5.3, eq. 3",
 LR_SCHEDULES = tuple(LR_SCHEDULE_TITLES)
 PREPROCESS_MODES = ("none", "lc-norm-tok")  # aiayn.data.text
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "bf16-weights")  # aiayn.precision
-# fields that runs of earlier versions wrote into config.json, and what replaced them
-_RENAMED = {"train.bf16": "train.precision", "train.bf16_weights": "train.precision"}
+# fields that runs of earlier versions wrote into config.json, replaced by train.precision
+_BEFORE_PRECISION = ("train.bf16", "train.bf16_weights")
 
 
 def _check_fields(obj: Any) -> None:
@@ -296,10 +296,9 @@ class Config:
                 raise ValueError(f"override {item!r} is not of the form section.field=value")
             if section not in data or not isinstance(data[section], dict):
                 raise ValueError(f"override {item!r}: unknown section {section!r}")
-            if f"{section}.{name}" in _RENAMED:
-                raise ValueError(f"override {item!r}: {section}.{name} is now "
-                                 f"{_RENAMED[section + '.' + name]} (one of "
-                                 f"{', '.join(TRAIN_PRECISIONS)})")
+            if f"{section}.{name}" in _BEFORE_PRECISION:
+                raise ValueError(f"override {item!r}: {section}.{name} is now train.precision "
+                                 f"(one of {', '.join(TRAIN_PRECISIONS)})")
             if name not in data[section]:
                 raise ValueError(f"override {item!r}: unknown field {section}.{name}")
             hint = _field_types(_SECTIONS[section])[name]

@@ -9,8 +9,9 @@
 - ``auto``: bf16 only where it is faster here. On CUDA that is a device with bf16 support. On a
   CPU it is decided by :func:`probe_cpu`, which times the model's own matrix-product shapes in
   fp32 and in bf16 for a few tens of milliseconds: CPUs with native bf16 (AVX-512 BF16, AMX)
-  run those products 3-5x faster than fp32, CPUs without it (AVX2 only: Zen 3, most laptops)
-  40-50x slower, so the choice is never close and never depends on a CPU's name.
+  run those products 4-5x faster than fp32, CPUs without it (AVX2 only: Zen 3, most laptops)
+  emulate them 5-45x slower (45x for a large product on a real Zen 3, 10x for ``nn.Linear`` under
+  autocast there), so the choice is never close and never depends on a CPU's name.
 
 Mixed precision is not in the paper (§5.2 trained in float32 on P100 GPUs).
 """
@@ -33,6 +34,11 @@ DECODE_PRECISIONS = ("auto", "fp32", "bf16")
 # bf16 must beat fp32 by this factor to be chosen: its casts, and LayerNorm and softmax around
 # the products, cost time the product probe does not see, and bf16 rounds more
 BF16_MIN_SPEEDUP = 1.25
+# the screen settles it alone only when bf16 is this many times slower: emulated bf16 (4.6x
+# slower than fp32 at the screen's shape on the simulated AVX2 class); native bf16 can lose
+# at 32 rows yet win at a batch's (`tiny` on the bf16 class, one thread: 2.2x slower at 32
+# rows, 3.3x faster at 512)
+SCREEN_EMULATED = 3.0
 PROBE_ROWS = 256  # rows of the probe's products: tokens of a batch, or beams x sentences
 SCREEN_ROWS = 32  # rows of the first, smaller probe that settles it where bf16 is emulated
 
@@ -56,15 +62,18 @@ class Precision:
     bf16_gflops: float | None = None
 
     @property
-    def autocast(self) -> bool:
-        """Whether the model runs under bf16 autocast (``bf16``) or on bf16 weights."""
+    def uses_bf16(self) -> bool:
+        """Whether any product runs in bf16: under autocast (``bf16``) or on bf16 weights (a
+        float32 master of a ``bf16-weights`` run, such as validation's, runs under autocast)."""
         return self.chosen != "fp32"
 
     @property
     def bf16_weights(self) -> bool:
+        """Whether training runs forward and backward on a bf16 copy of the weights."""
         return self.chosen == "bf16-weights"
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values, as ``metrics.jsonl`` and ``results.json`` hold them."""
         return asdict(self)
 
     def describe(self) -> str:
@@ -117,7 +126,7 @@ def _probe(shapes: tuple[tuple[int, int, int], ...], threads: int) -> tuple[floa
     # 50-100 in fp32) the full shapes would take a second, and the screen alone decides
     screen = [(SCREEN_ROWS, k, n) for _, k, n in shapes[:1]]
     fp32, bf16 = _rates(screen, budget_s=0.002)
-    if bf16 < BF16_MIN_SPEEDUP * fp32:
+    if bf16 * SCREEN_EMULATED < fp32:
         return fp32, bf16
     return _rates(list(shapes), budget_s=0.005)
 
@@ -169,16 +178,9 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
     return Precision(requested, requested, f"{note}; {rates}", round(fp32, 1), round(bf16, 1))
 
 
-def decoding_precision_after(trained: Precision | dict[str, Any]) -> str:
-    """The decoding precision that goes with a run's resolved training precision (a
-    :class:`Precision` or its ``to_dict()``, as ``train_summary.json`` holds it): ``bf16``
-    autocast after bf16 or bf16-weights training, which the probe chose on this machine, else
-    ``fp32``."""
-    chosen = trained.chosen if isinstance(trained, Precision) else trained["chosen"]
-    return "fp32" if chosen == "fp32" else "bf16"
-
-
 def default_decoding_precision(train_precision: str) -> str:
-    """The decoding precision a checkpoint gets when none is asked for: ``fp32`` for a model
-    trained with ``train.precision = "fp32"`` (asked for explicitly, so kept), else ``auto``."""
+    """The decoding precision a model gets when none is asked for (``aiayn translate``,
+    ``evaluate``, the pipeline, Table 3): ``fp32`` for a model trained with
+    ``train.precision = "fp32"`` (asked for explicitly, so kept), else ``auto``, which decides
+    on the machine that decodes."""
     return "fp32" if train_precision == "fp32" else "auto"

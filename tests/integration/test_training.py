@@ -375,7 +375,8 @@ def test_tiny_model_learns_to_copy(tmp_path: Path) -> None:
     ref = (tmp_path / "valid.tgt").read_text().splitlines()
     hyps = translate_lines(model, vocab, src, beam_size=1, max_len_b=10)
     exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
-    # 0.9-1.0 on both CPU classes; an untrained model copies no sentence (the baseline, here)
+    # an untrained model copies no sentence (the baseline, measured here); 0.7 leaves a margin
+    # under the 0.9 this test long asserted
     untrained = translate_lines(Transformer(model.config).eval(), vocab, src, beam_size=1,
                                 max_len_b=10)
     assert sum(h == r for h, r in zip(untrained, ref)) / len(ref) < 0.1
@@ -399,6 +400,10 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
     every = cfg.replace(model=replace(cfg.model, output_vocab="all"))
     run_training(every, tmp_path / "all", progress=False, log=quiet)
     baseline, _, every_vocab = load_checkpoint(list_checkpoints(tmp_path / "all")[-1])
+    src = (tmp_path / "valid.src").read_text().splitlines()
+    ref = (tmp_path / "valid.tgt").read_text().splitlines()
+    every_hyps = translate_lines(baseline, every_vocab, src, beam_size=2, max_len_b=10)
+    every_exact = sum(h == r for h, r in zip(every_hyps, ref)) / len(ref)
     average_checkpoints(list_checkpoints(tmp_path / "run")[-2:], tmp_path / "avg")
     for path in (list_checkpoints(tmp_path / "run")[-1], tmp_path / "avg"):
         model, _, vocab = load_checkpoint(path)
@@ -409,8 +414,6 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
         source_ids = {i for line in (tmp_path / "train.src").read_text().split("\n")
                       for i in vocab.encode(line)}
         assert len(source_ids - allowed) >= 16  # the source's letters are left out
-        src = (tmp_path / "valid.src").read_text().splitlines()
-        ref = (tmp_path / "valid.tgt").read_text().splitlines()
         hyps = translate_lines(model, vocab, src, beam_size=2, max_len_b=10)
         # the left-out tokens get no probability at any decoder position
         batch = torch.tensor([vocab.encode(src[0]) + [vocab.eos_id]])
@@ -420,10 +423,10 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
         left_out = sorted(source_ids - allowed)
         assert torch.isneginf(logp[..., left_out]).all()
         assert torch.isfinite(logp[..., sorted(allowed)]).all()
-        # as well learned as with every token at the output (0.83-0.86 either way, by CPU)
+        # as well learned as with every token at the output (the old fixed bar, 0.85, failed
+        # at 0.83 on a Zen 3), and learned at all
         exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
-        every_hyps = translate_lines(baseline, every_vocab, src, beam_size=2, max_len_b=10)
-        assert exact >= sum(h == r for h, r in zip(every_hyps, ref)) / len(ref) - 0.1
+        assert exact >= every_exact - 0.1
         assert exact >= 0.5
 
 

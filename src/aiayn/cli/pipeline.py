@@ -163,13 +163,13 @@ def run(args: argparse.Namespace) -> int:
 
     dc = config.decode
     from aiayn.data.text import is_protocol_text
-    from aiayn.precision import choose_precision, decoding_precision_after
+    from aiayn.precision import choose_precision, default_decoding_precision
 
     trained = (members[0] if members else summary)["precision"]
     say(f"[1/4] trained at precision {trained['chosen']} ({trained['requested']}: "
         f"{trained['reason']})")
-    decoding = choose_precision(decoding_precision_after(trained), device, config.model,
-                                training=False)
+    decoding = choose_precision(default_decoding_precision(trained["requested"]), device,
+                                config.model, training=False)
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
 
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         models, run_config, vocab = loaded
         return translate_lines(models, vocab, lines, beam_size=dc.beam_size, alpha=alpha,
                                max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                               batch_size=dc.batch_size, bf16=decoding.autocast,
+                               batch_size=dc.batch_size, bf16=decoding.uses_bf16,
                                progress=not args.no_progress and not args.json)
 
     def bleu_of(hyps: list[str], refs: list[str]) -> float:

@@ -94,7 +94,7 @@ def decode_options(args: argparse.Namespace, config, nbest: int = 1) -> dict:
                 max_len_a=pick(args.max_len_a, d.max_len_a),
                 max_len_b=pick(args.max_len_b, d.max_len_b),
                 batch_size=pick(args.batch_size, d.batch_size), nbest=nbest, sampling=sampling,
-                bf16=decode_precision(args, config).autocast,
+                bf16=decode_precision(args, config).uses_bf16,
                 long_inputs="error" if args.reject_long else "truncate",
                 beam_rules=d.beam_rules)
 

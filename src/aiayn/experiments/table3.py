@@ -181,7 +181,7 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
     from aiayn.checkpoint import list_checkpoints, load_checkpoint
     from aiayn.decoding import translate_lines
     from aiayn.evaluation.bleu import sacrebleu_scores
-    from aiayn.precision import decoding_precision_after
+    from aiayn.precision import choose_precision, default_decoding_precision
     from aiayn.training.run import run_training
 
     budget = [f"train.time_budget_s={minutes * 60}", "train.max_steps=100000000",
@@ -194,12 +194,14 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
                            resume=resume, overrides=budget if resume else None, device=device,
                            progress=progress, log=log)
     model, run_config, vocab = load_checkpoint(list_checkpoints(row_dir)[-1], device or "cpu")
-    decode_bf16 = decoding_precision_after(summary["precision"]) == "bf16"
+    decoding = choose_precision(default_decoding_precision(run_config.train.precision),
+                                next(model.parameters()).device, run_config.model,
+                                training=False)
     t0 = time.monotonic()
     dc = run_config.decode
     hyps = translate_lines(model, vocab, valid.src, beam_size=4, alpha=0.6,
                            max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                           batch_size=dc.batch_size, bf16=decode_bf16)
+                           batch_size=dc.batch_size, bf16=decoding.uses_bf16)
     bleu = sacrebleu_scores(hyps, valid.tgt)
     ppl = summary.get("valid_ppl", math.nan)
     log(f"table3: row {row}: {summary['steps']} steps in {summary['elapsed_s'] / 60:.1f} min, "

@@ -394,7 +394,7 @@ class Trainer:
     # --- one update -----------------------------------------------------------------------
     def _autocast(self, model: nn.Module) -> contextlib.AbstractContextManager:
         # bf16 weights need no autocast (it would run LayerNorm in float32 and cast around it)
-        if self.precision.autocast and next(model.parameters()).dtype == torch.float32:
+        if self.precision.uses_bf16 and next(model.parameters()).dtype == torch.float32:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -568,7 +568,7 @@ class Trainer:
         """Validation figures of the current weights (see :func:`validation_figures`)."""
         return validation_figures(self.model, self._batch_loss, self.config, self.vocab,
                                   self.valid, self.valid_encoded, self.device,
-                                  bf16=self.precision.autocast)
+                                  bf16=self.precision.uses_bf16)
 
     # --- the loop -------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
