@@ -52,7 +52,7 @@ def main() -> int:
     src, tgt = enc.src_lengths(), enc.tgt_lengths()
     t_batch, batches = best_of(args.repeat, lambda: make_batches(src, tgt, args.max_tokens,
                                                                  seed=0, epoch=0))
-    t_collate, _ = best_of(1, lambda: [collate(enc, b) for b in batches])
+    t_collate, _ = best_of(1, lambda: [collate(enc, b, start_id=1) for b in batches])
     check = vocab.round_trip(texts)
     padded = sum(len(b) * int(tgt[b].max()) for b in batches)
 

@@ -45,7 +45,7 @@ def main() -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from aiayn.config import load_config
+    from aiayn.config import DecodeConfig, load_config
     from aiayn.data.vocab import Vocabulary
     from aiayn.decoding import translate_nbest
     from aiayn.evaluation.bleu import read_lines
@@ -68,9 +68,10 @@ def main() -> int:
 
     def run(beam: int, bf16: bool, cached: bool, n_lines: list[str]) -> tuple[float, int]:
         t = time.perf_counter()
-        out = translate_nbest(model, vocab, n_lines, beam_size=beam, alpha=0.6, max_len_a=0.0,
-                              max_len_b=args.length, min_len=args.length,
-                              batch_size=args.batch_size, bf16=bf16, use_cache=cached)
+        search = DecodeConfig(beam_size=beam, alpha=0.6, max_len_a=0.0, max_len_b=args.length,
+                              batch_size=args.batch_size)
+        out = translate_nbest(model, vocab, n_lines, search, min_len=args.length, bf16=bf16,
+                              use_cache=cached)
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t

@@ -154,7 +154,7 @@ def main() -> int:
     on_gpu = device.type == "cuda"
     cuda_sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     from aiayn.checkpoint import save_checkpoint
-    from aiayn.config import load_config
+    from aiayn.config import DecodeConfig, load_config
     from aiayn.decoding import translate_nbest
     from aiayn.interop.ctranslate2 import export_ctranslate2
     from aiayn.interop.marian import import_hf
@@ -242,17 +242,17 @@ def main() -> int:
                          if "identical_to_aiayn_fp32" in row else ""), flush=True)
 
             def run_aiayn(**kw):
-                translate_nbest(model, vocab, lines[:8], beam_size=beam, alpha=0.0,
-                                max_len_a=0.0, max_len_b=args.length, min_len=args.length,
-                                batch_size=args.batch_size, beam_rules="hf", **kw)  # warm-up
+                search = DecodeConfig(beam_size=beam, alpha=0.0, max_len_a=0.0,
+                                      max_len_b=args.length, batch_size=args.batch_size,
+                                      beam_rules="hf")
+                translate_nbest(model, vocab, lines[:8], search, min_len=args.length,
+                                **kw)  # warm-up
                 best, out = float("inf"), None
                 for _ in range(args.repeat):
                     cuda_sync()
                     t = time.perf_counter()
-                    out = translate_nbest(model, vocab, lines, beam_size=beam, alpha=0.0,
-                                          max_len_a=0.0, max_len_b=args.length,
-                                          min_len=args.length, batch_size=args.batch_size,
-                                          beam_rules="hf", **kw)
+                    out = translate_nbest(model, vocab, lines, search, min_len=args.length,
+                                          **kw)
                     cuda_sync()
                     best = min(best, time.perf_counter() - t)
                 assert all(len(r[0].tokens) == args.length + 1 for r in out), "lengths not fixed"

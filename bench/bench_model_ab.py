@@ -60,8 +60,8 @@ def main() -> None:
     vocab = Vocabulary.learn(corpus.src + corpus.tgt, 8000)
     enc = encode_corpus(vocab, corpus, 128)
     order = make_batches(enc.src_lengths(), enc.tgt_lengths(), args.max_tokens, seed=1)
-    batches = [collate(enc, idx) for idx in order[: args.steps + 2]]
     cfg = load_config(args.preset, [f"model.vocab_size={len(vocab)}"]).model
+    batches = [collate(enc, idx, start_id=cfg.decoder_start_id) for idx in order[: args.steps + 2]]
     torch.manual_seed(0)
     ours = Transformer(cfg).train()
     base = load_baseline(args.baseline)(cfg).train()

@@ -45,6 +45,7 @@ from aiayn.data.batching import collate, encode_corpus
 from aiayn.data.corpus import load_dataset
 from aiayn.data.vocab import PAD_ID, Vocabulary
 from aiayn.training.loop import Trainer
+from aiayn.training.run import prepare_training_process
 from aiayn.training.loss import label_smoothed_loss
 
 
@@ -120,6 +121,7 @@ def time_aiayn(config, vocab, enc, steps: int, passes: int,
     epoch, timed after ``passes`` untimed passes over the same batches; also those batches."""
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
+        prepare_training_process(device)  # as a training process does (aiayn train)
         trainer = Trainer(config, tmp, vocab, enc, device=device, progress=False)
         used = trainer.batches_of_epoch(0)[:steps]
         for _ in range(passes):
@@ -147,7 +149,7 @@ def time_peer(cfg, enc, order: list[list[int]], bf16: bool, ours_loss: bool,
         if i == passes * len(order):
             _sync(device)
             tokens, start = 0, time.perf_counter()
-        b = collate(enc, idx).to(device)
+        b = collate(enc, idx, start_id=config.model.decoder_start_id).to(device)
         ac = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 \
             else contextlib.nullcontext()
         with ac:

@@ -1,6 +1,7 @@
 """The one place where a device name becomes a ``torch.device`` (training, decoding, CLI), and
-where the CPU kernels' process-wide settings are made. Imports torch only when called, so that
-importing ``aiayn`` (which calls :func:`widen_onednn_cache`) stays light."""
+where the CPU kernels' process-wide settings are defined. They are made where a process starts
+(the command line, :func:`aiayn.training.run.prepare_training_process`), never on import.
+Imports torch only when called."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def widen_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     """Let oneDNN (CPU bf16 matrix products) keep ``capacity`` compiled primitives, unless the
     user set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` already. oneDNN reads the variable when it
     builds its first primitive, so this only takes effect before the process's first bf16
-    matrix product: importing ``aiayn`` calls it, and a program that runs bf16 products before
-    that import keeps oneDNN's default (1,024)."""
+    matrix product: the command line and :func:`aiayn.train` call it first; a program that
+    runs bf16 products before it keeps oneDNN's default (1,024)."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
 
 

@@ -17,7 +17,7 @@ from interop_fixtures import make_marian, read_corpus
 
 from aiayn.cli import main
 from aiayn.data.batching import pad_sources
-from aiayn.decoding import translate_nbest
+from aiayn.translator import Translator
 from aiayn.interop.marian import import_hf
 
 MAX_LENGTH = 40  # generate's max_length: the start token + at most 38 tokens + EOS
@@ -95,7 +95,7 @@ def test_search_is_token_identical_to_generate(marian, sources, beams):
     directory, hf, tok = marian
     model, config, vocab = import_hf(directory)
     out, texts = _generate(hf, tok, sources, beams)
-    got = translate_nbest(model, vocab, sources, beam_size=beams, alpha=0.0, max_len_a=0.0,
+    got = Translator(model, vocab, precision="fp32").generate(sources, beam_size=beams, alpha=0.0, max_len_a=0.0,
                           max_len_b=MAX_LENGTH - 2, batch_size=16,
                           beam_rules=config.decode.beam_rules)
     for row, hf_text, mine in zip(out.tolist(), texts, got):

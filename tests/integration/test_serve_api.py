@@ -1,7 +1,7 @@
 """``aiayn serve``'s JSON API over real HTTP (uvicorn on 127.0.0.1, httpx as the client), on a
 tiny random-weight checkpoint: every status code it answers (200, 404, 405, 413, 422, 429,
-503), that concurrent requests share a batch, that answers equal ``translate_nbest`` and
-``attention_maps`` called directly, and that SIGTERM lets the request in flight finish."""
+503), that concurrent requests share a batch, that answers equal a ``Translator``'s
+``generate`` and ``attention`` called directly, and that SIGTERM lets the request in flight finish."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import pytest
 from serving import serve_in_thread, serve_process, tiny_checkpoint
 
 from aiayn.checkpoint import load_checkpoint
-from aiayn.decoding import translate_nbest
 from aiayn.serve import ServeLimits, create_app
-from aiayn.viz import attention_maps
+from aiayn.translator import Translator
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +34,7 @@ def url(loaded):
     model, config, vocab = loaded
     limits = ServeLimits(max_body_bytes=4000, max_lines=4, max_chars=200,
                          max_attention_tokens=20, max_batch_lines=8, max_wait_ms=5, max_beam=5)
-    with serve_in_thread(create_app(model, config, vocab, limits)) as base:
+    with serve_in_thread(create_app(Translator(model, vocab, config=config), limits)) as base:
         yield base
 
 
@@ -58,14 +57,14 @@ def test_health_info_page_and_unknown_paths(url, loaded):
     assert httpx.get(url + "/translate").status_code == 405
 
 
-def test_translate_answers_what_translate_nbest_gives(url, loaded):
+def test_translate_answers_what_the_translator_gives(url, loaded):
     model, _, vocab = loaded
     lines = ["Two dogs play in the snow.", "A man rides a bike."]
     r = post(url, "/translate", {"lines": lines, "beam": 3, "alpha": 0.6, "nbest": 2})
     assert r.status_code == 200
     data = r.json()
-    direct = translate_nbest(model, vocab, lines, beam_size=3, alpha=0.6, nbest=2,
-                             max_len_a=0.5, max_len_b=6)
+    direct = Translator(model, vocab, precision="fp32").generate(
+        lines, beam_size=3, alpha=0.6, nbest=2, max_len_a=0.5, max_len_b=6)
     assert [[t["text"] for t in line] for line in data["translations"]] == \
         [[t.text for t in line] for line in direct]
     for got, want in zip(data["translations"], direct):
@@ -84,7 +83,7 @@ def test_input_tokenized_already_is_translated_with_a_warning(url, loaded):
     model, config, vocab = loaded
     lc = dataclasses.replace(config, data=dataclasses.replace(config.data,
                                                                preprocess="lc-norm-tok"))
-    with serve_in_thread(create_app(model, lc, vocab)) as base:
+    with serve_in_thread(create_app(Translator(model, vocab, config=lc))) as base:
         r = post(base, "/translate", {"lines": ["a man &apos;s dog .", "A man's dog."],
                                       "beam": 1})
         assert r.status_code == 200
@@ -110,7 +109,8 @@ def test_attention_answers_every_layer_and_head(url, loaded):
     S, T = len(data["source_tokens"]), len(data["target_outputs"])
     shapes = {k: v["shape"] for k, v in data["attention"].items()}
     assert shapes == {"encoder": [N, h, S, S], "decoder": [N, h, T, T], "cross": [N, h, T, S]}
-    direct = attention_maps(model, vocab, "Two dogs play.", "Zwei Hunde spielen.")
+    direct = Translator(model, vocab, precision="fp32").attention("Two dogs play.",
+                                                                  "Zwei Hunde spielen.")
     assert data["attention"]["cross"]["weights"] == direct.to_json()["attention"]["cross"][
         "weights"]
     own = post(url, "/attention", {"source": "Two dogs play."}).json()
@@ -153,7 +153,7 @@ def test_concurrent_requests_are_decoded_as_one_batch(loaded):
     # The window (60 s) is far longer than the test: a batch starts only when it is full
     # (8 lines, 4 x 2 here) or when the server closes its windows (begin_shutdown, on SIGTERM).
     limits = ServeLimits(max_lines=2, max_batch_lines=8, max_wait_ms=60_000)
-    app = create_app(model, config, vocab, limits)
+    app = create_app(Translator(model, vocab, config=config), limits)
     with serve_in_thread(app) as base:
         two = [in_thread(lambda: post(base, "/translate", {"lines": ["A man.", "A dog."]}))
                for _ in range(4)]
@@ -209,7 +209,7 @@ def test_413_counts_a_line_as_the_model_reads_it(loaded):
             counts = {"line": line, "read": read}
             break
     assert counts, "no line is under max_len raw and over it tokenized"
-    with serve_in_thread(create_app(model, lc, vocab)) as base:
+    with serve_in_thread(create_app(Translator(model, vocab, config=lc))) as base:
         r = post(base, "/translate", {"lines": ["a dog.", counts["line"]], "beam": 1})
         assert r.status_code == 413, r.text
         assert (f"line 2 has {counts['read']} subword tokens with </s> after the model's "
@@ -258,7 +258,7 @@ def test_422_for_a_body_that_is_not_json(url):
 def test_429_when_too_many_requests_are_in_flight(loaded):
     model, config, vocab = loaded
     limits = ServeLimits(max_concurrent=2, max_lines=1, max_batch_lines=4, max_wait_ms=60_000)
-    app = create_app(model, config, vocab, limits)
+    app = create_app(Translator(model, vocab, config=config), limits)
     with serve_in_thread(app) as base:
         send = lambda: post(base, "/translate", {"lines": ["Two dogs."]})  # noqa: E731
         waiting = []
@@ -281,7 +281,7 @@ def test_429_when_too_many_requests_are_in_flight(loaded):
 def test_429_when_the_queue_is_full(loaded):
     model, config, vocab = loaded
     limits = ServeLimits(max_queue_lines=4, max_lines=3, max_batch_lines=8, max_wait_ms=60_000)
-    app = create_app(model, config, vocab, limits)
+    app = create_app(Translator(model, vocab, config=config), limits)
     with serve_in_thread(app) as base:
         thread, first = in_thread(lambda: post(base, "/translate", {"lines": ["a", "b", "c"]}))
         wait_for_load(base, queued_lines=3)
@@ -297,7 +297,7 @@ def test_503_once_the_batcher_has_stopped(loaded):
     from fastapi.testclient import TestClient
 
     model, config, vocab = loaded
-    app = create_app(model, config, vocab)
+    app = create_app(Translator(model, vocab, config=config))
     with TestClient(app) as client:
         assert client.post("/translate", json={"lines": ["a dog"]}).status_code == 200
         client.portal.call(app.state.batcher().stop)

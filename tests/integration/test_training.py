@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from aiayn.checkpoint import (list_checkpoints, load_checkpoint, load_training_state,
                               resolve_checkpoint)
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
-from aiayn.decoding import translate_lines
+from aiayn.translator import Translator
 from aiayn.devices import ONEDNN_CACHE_CAPACITY
 from aiayn.errors import DataError, UserError
 from aiayn.model import Transformer
@@ -343,18 +343,33 @@ def test_decoupled_weight_decay_shrinks_only_the_matrices_apart_from_the_gradien
         TrainConfig(decoupled_weight_decay=True)
 
 
+def test_importing_aiayn_changes_nothing_in_the_process() -> None:
+    """A fresh process: ``import aiayn`` and its API names leave the environment as it was
+    (oneDNN's cache setting is made where a process starts, not on import), and the bare
+    import loads no torch."""
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    code = ("import os, sys; before = dict(os.environ); import aiayn; "
+            "bare = 'torch' in sys.modules; aiayn.Translator, aiayn.train, aiayn.load_config; "
+            "print(dict(os.environ) == before, bare, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["True", "False", "True"]
+
+
 @pytest.mark.parametrize("preset", [None, "64"])
-def test_importing_aiayn_widens_the_onednn_cache_unless_the_user_set_it(preset) -> None:
-    """A fresh process: ``import aiayn`` (before torch, as the CLI does) leaves oneDNN's cache
-    capacity at ONEDNN_CACHE_CAPACITY, or at the user's own value."""
+def test_the_command_line_widens_the_onednn_cache_unless_the_user_set_it(preset) -> None:
+    """A process the command line starts sets oneDNN's cache capacity to
+    ONEDNN_CACHE_CAPACITY before its command runs, or keeps the user's own value."""
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     if preset is not None:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = preset
-    code = ("import os, sys, aiayn.cli; "
-            "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], 'torch' in sys.modules)")
+    code = ("import contextlib, io, os, aiayn.cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    aiayn.cli.main(['params', '--preset', 'tiny'])\n"
+            "print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
-    assert out == [preset or str(ONEDNN_CACHE_CAPACITY), "False"]
+    assert out == [preset or str(ONEDNN_CACHE_CAPACITY)]
 
 
 def test_label_smoothed_loss_rejects_mismatched_shapes() -> None:
@@ -373,11 +388,11 @@ def test_tiny_model_learns_to_copy(tmp_path: Path) -> None:
     model, _, vocab = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
     src = (tmp_path / "valid.src").read_text().splitlines()
     ref = (tmp_path / "valid.tgt").read_text().splitlines()
-    hyps = translate_lines(model, vocab, src, beam_size=1, max_len_b=10)
+    hyps = Translator(model, vocab, precision="fp32").translate(src, beam_size=1, max_len_b=10)
     exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
     # an untrained model copies no sentence (the baseline, measured here); 0.7 leaves a margin
     # under the 0.9 this test long asserted
-    untrained = translate_lines(Transformer(model.config).eval(), vocab, src, beam_size=1,
+    untrained = Translator(Transformer(model.config).eval(), vocab, precision="fp32").translate(src, beam_size=1,
                                 max_len_b=10)
     assert sum(h == r for h, r in zip(untrained, ref)) / len(ref) < 0.1
     assert exact >= 0.7, [(h, r) for h, r in zip(hyps, ref) if h != r][:5]
@@ -402,7 +417,7 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
     baseline, _, every_vocab = load_checkpoint(list_checkpoints(tmp_path / "all")[-1])
     src = (tmp_path / "valid.src").read_text().splitlines()
     ref = (tmp_path / "valid.tgt").read_text().splitlines()
-    every_hyps = translate_lines(baseline, every_vocab, src, beam_size=2, max_len_b=10)
+    every_hyps = Translator(baseline, every_vocab, precision="fp32").translate(src, beam_size=2, max_len_b=10)
     every_exact = sum(h == r for h, r in zip(every_hyps, ref)) / len(ref)
     average_checkpoints(list_checkpoints(tmp_path / "run")[-2:], tmp_path / "avg")
     for path in (list_checkpoints(tmp_path / "run")[-1], tmp_path / "avg"):
@@ -414,7 +429,7 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
         source_ids = {i for line in (tmp_path / "train.src").read_text().split("\n")
                       for i in vocab.encode(line)}
         assert len(source_ids - allowed) >= 16  # the source's letters are left out
-        hyps = translate_lines(model, vocab, src, beam_size=2, max_len_b=10)
+        hyps = Translator(model, vocab, precision="fp32").translate(src, beam_size=2, max_len_b=10)
         # the left-out tokens get no probability at any decoder position
         batch = torch.tensor([vocab.encode(src[0]) + [vocab.eos_id]])
         with torch.no_grad():

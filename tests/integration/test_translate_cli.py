@@ -133,10 +133,10 @@ def test_evaluate_multi30k_protocol(data_dir, tmp_path, capsys):
 
 
 def test_translate_and_evaluate_with_an_ensemble(checkpoint, tmp_path, capsys):
-    """Several --checkpoint paths decode as an ensemble, the same as translate_nbest on the
+    """Several --checkpoint paths decode as an ensemble, the same as a Translator on the
     list of models; a member with another vocabulary is refused, naming it."""
     from aiayn.checkpoint import load_checkpoint
-    from aiayn.decoding import translate_nbest
+    from aiayn.translator import Translator
 
     _, cfg, vocab = load_checkpoint(checkpoint)
     torch.manual_seed(1)
@@ -149,9 +149,11 @@ def test_translate_and_evaluate_with_an_ensemble(checkpoint, tmp_path, capsys):
     assert main(["translate", "--checkpoint", str(checkpoint), str(second), "-i", str(src),
                  "-o", str(out), *FAST]) == 0
     models = [load_checkpoint(p)[0] for p in (checkpoint, second)]
-    want = translate_nbest(models, vocab, lines, max_len_a=0.5, max_len_b=4)
+    want = Translator(models, vocab, precision="fp32").generate(lines, max_len_a=0.5,
+                                                                max_len_b=4)
     assert out.read_text(encoding="utf-8").splitlines() == [t[0].text for t in want]
-    alone = [translate_nbest(m, vocab, lines, max_len_a=0.5, max_len_b=4) for m in models]
+    alone = [Translator(m, vocab, precision="fp32").generate(lines, max_len_a=0.5, max_len_b=4)
+             for m in models]
     assert [t[0].tokens for t in want] not in [[t[0].tokens for t in a] for a in alone]
 
     ref = tmp_path / "ref.txt"
@@ -170,4 +172,4 @@ def test_translate_and_evaluate_with_an_ensemble(checkpoint, tmp_path, capsys):
     assert main(["translate", "--checkpoint", str(checkpoint), str(other), "-i", str(src),
                  *FAST]) == 2
     err = capsys.readouterr().err
-    assert f"--checkpoint {other}: its vocabulary differs" in err
+    assert f"{other}: its vocabulary differs from {checkpoint}'s" in err

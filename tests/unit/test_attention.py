@@ -17,7 +17,7 @@ from aiayn.cli import main
 from aiayn.config import load_config
 from aiayn.data.vocab import PAD_ID, Vocabulary
 from aiayn.model import Transformer
-from aiayn.viz import attention_maps, record_attention
+from aiayn.viz import record_attention
 
 TEXTS = ["A man in a red shirt rides a bike.", "Two dogs play in the snow.",
          "Ein Mann in einem roten Hemd fährt Fahrrad.", "Zwei Hunde spielen im Schnee."] * 10
@@ -107,23 +107,22 @@ def checkpoint(tmp_path_factory):
 
 
 def test_attention_maps_of_the_beam_output_and_of_a_forced_target(checkpoint):
-    from aiayn.checkpoint import load_checkpoint
-    from aiayn.decoding import translate_nbest
+    from aiayn.translator import Translator
 
-    model, _, vocab = load_checkpoint(checkpoint)
-    own = attention_maps(model, vocab, "Two dogs play.", max_len_b=6)
-    best = translate_nbest(model, vocab, ["Two dogs play."], max_len_b=6)[0][0]
+    translator = Translator.from_pretrained(checkpoint, precision="fp32")
+    own = translator.attention("Two dogs play.", max_len_b=6)
+    best = translator.generate(["Two dogs play."], max_len_b=6)[0][0]
     assert not own.forced and own.target_text == best.text and own.score == best.score
     T = len(best.tokens)
     assert own.cross.shape == (2, 4, T, len(own.source_tokens))
     assert own.target_inputs[0] == "<s>" and own.target_outputs[-1] == "</s>"
     assert own.source_tokens[-1] == "</s>"
-    forced = attention_maps(model, vocab, "Two dogs play.", "Zwei Hunde spielen.")
+    forced = translator.attention("Two dogs play.", "Zwei Hunde spielen.")
     assert forced.forced and forced.target_text == "Zwei Hunde spielen."
-    assert forced.target_outputs[:-1] == vocab.tokens("Zwei Hunde spielen.")
+    assert forced.target_outputs[:-1] == translator.vocab.tokens("Zwei Hunde spielen.")
     assert torch.equal(forced.encoder, own.encoder)  # the encoder does not see the target
     with pytest.raises(ValueError, match="source sentence is empty"):
-        attention_maps(model, vocab, "  ")
+        translator.attention("  ")
 
 
 def test_cli_draws_both_styles_and_writes_json(checkpoint, tmp_path, capsys):

@@ -127,7 +127,7 @@ def test_encode_corpus_filters_and_counts(small):
 def test_collate_layout(small):
     vocab, corpus = small
     enc = encode_corpus(vocab, corpus, max_len=100)
-    b = collate(enc, [3, 0])
+    b = collate(enc, [3, 0], start_id=BOS_ID)
     assert b.indices == [3, 0]
     s0, t0 = enc.src[3], enc.tgt[3]
     assert b.src.shape == (2, max(len(enc.src[3]), len(enc.src[0])))
@@ -157,7 +157,7 @@ def test_multi30k_epoch(data_dir, monkeypatch):
     assert_partition(batches, len(enc))
     seen = Counter()
     for idx in batches:
-        b = collate(enc, idx)
+        b = collate(enc, idx, start_id=BOS_ID)
         assert b.src.numel() <= max_tokens and b.tgt_out.numel() <= max_tokens
         seen.update(b.indices)
     assert sorted(seen) == enc.index and max(seen.values()) == 1

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from aiayn.config import load_config
 from aiayn.data.batching import pad_sources
 from aiayn.data.vocab import BOS_ID, EOS_ID, Vocabulary
-from aiayn.decoding import CachedStep, EnsembleStep, translate_nbest
+from aiayn.decoding import CachedStep, EnsembleStep
+from aiayn.translator import Translator
 from aiayn.model import Transformer
 
 TEXTS = ["a man is walking down the street with a dog",
@@ -77,6 +78,8 @@ def test_ensemble_step_is_the_log_of_the_mean_probability(members, vocab):
 
 def test_a_token_one_member_forbids_keeps_the_others_share():
     class Fixed:
+        start_id = BOS_ID
+
         def __init__(self, logits):
             self.logits = torch.tensor(logits)
 
@@ -96,9 +99,10 @@ def test_a_token_one_member_forbids_keeps_the_others_share():
 
 
 def test_an_ensemble_of_one_model_twice_is_that_model(members, vocab):
-    one = translate_nbest(members[0], vocab, LINES, beam_size=4, nbest=2, max_len_b=8)
-    twice = translate_nbest([members[0], members[0]], vocab, LINES, beam_size=4, nbest=2,
-                            max_len_b=8)
+    one = Translator(members[0], vocab, precision="fp32").generate(LINES, beam_size=4, nbest=2,
+                                                                   max_len_b=8)
+    twice = Translator([members[0], members[0]], vocab, precision="fp32").generate(
+        LINES, beam_size=4, nbest=2, max_len_b=8)
     assert [[t.tokens for t in r] for r in twice] == [[t.tokens for t in r] for r in one]
     for a, b in zip(one, twice):
         assert [t.score for t in b] == pytest.approx([t.score for t in a], abs=1e-4)
@@ -107,8 +111,9 @@ def test_an_ensemble_of_one_model_twice_is_that_model(members, vocab):
 def test_ensemble_translations_score_the_mean_probability(members, vocab):
     """The log_prob beam search reports for an ensemble's output is the sum of the log mean
     probabilities of its tokens, recomputed here without the cache."""
-    out = translate_nbest(members, vocab, LINES, beam_size=4, max_len_b=8)
-    singles = [translate_nbest(m, vocab, LINES, beam_size=4, max_len_b=8) for m in members]
+    out = Translator(members, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8)
+    singles = [Translator(m, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8)
+               for m in members]
     with torch.no_grad():
         for line, (t,) in zip(LINES, out):
             src = torch.tensor([vocab.encode(line) + [EOS_ID]])
@@ -120,17 +125,18 @@ def test_ensemble_translations_score_the_mean_probability(members, vocab):
 
 
 def test_ensemble_with_the_fast_decoder(members, vocab):
-    ref = translate_nbest(members, vocab, LINES, beam_size=4, max_len_b=8)
-    fast = translate_nbest(members, vocab, LINES, beam_size=4, max_len_b=8, fast="fp32")
+    ref = Translator(members, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8)
+    fast = Translator(members, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8,
+                                                                 fast="fp32")
     assert [r[0].tokens for r in fast] == [r[0].tokens for r in ref]
 
 
 def test_bad_ensembles_are_refused(members, vocab):
     with pytest.raises(ValueError, match="at least one model"):
-        translate_nbest([], vocab, LINES)
+        Translator([], vocab, precision="fp32").generate(LINES)
     other = tiny_model(len(vocab) + 5, seed=1)
     with pytest.raises(ValueError, match="different output vocabularies"):
-        translate_nbest([members[0], other], vocab, LINES)
+        Translator([members[0], other], vocab, precision="fp32").generate(LINES)
     with pytest.raises(ValueError, match="at least one step"):
         EnsembleStep([])
     for model in members:

@@ -21,16 +21,17 @@ from aiayn.decoding import (
     beam_search,
     greedy_search,
     length_penalty,
-    translate_lines,
-    translate_nbest,
 )
 from aiayn.model import Transformer
+from aiayn.translator import Translator
 
 A, B_ = 4, 5  # the two ordinary tokens of the stub vocabulary (V = 6)
 
 
 class StubStep:
     """Step function whose next-token distribution is a hand-set table keyed by the prefix."""
+
+    start_id = BOS_ID
 
     def __init__(self, table: dict[tuple[int, ...], dict[int, float]], prefixes=None, n=1):
         self.table = table
@@ -180,6 +181,8 @@ SOURCES = [[5, 9, 12, 30, EOS_ID], [7, EOS_ID], [40, 41, 42, 43, 44, 45, 46, 47,
 class RandomStep:
     """A step function with random but fixed next-token logits per prefix (seeded)."""
 
+    start_id = BOS_ID
+
     def __init__(self, seed: int, V: int = 7, sharp: float = 3.0, prefixes=None):
         self.seed, self.V, self.sharp = seed, V, sharp
         self.prefixes = prefixes if prefixes is not None else [()]
@@ -240,9 +243,10 @@ def test_cached_equals_uncached(model, beam_size):
 def test_mixed_length_batch_equals_one_at_a_time(model, vocab, beam_size):
     lines = ["a man", "two children play football in the park with a dog down the street",
              "zwei kinder", "ein mann geht", "a", "the park"]
-    batched = translate_nbest(model, vocab, lines, beam_size=beam_size, batch_size=6,
+    translator = Translator(model, vocab, precision="fp32")
+    batched = translator.generate(lines, beam_size=beam_size, batch_size=6,
                               max_len_b=8, nbest=beam_size)
-    single = [translate_nbest(model, vocab, [x], beam_size=beam_size, max_len_b=8,
+    single = [translator.generate([x], beam_size=beam_size, max_len_b=8,
                               nbest=beam_size)[0] for x in lines]
     assert [[t.tokens for t in r] for r in batched] == [[t.tokens for t in r] for r in single]
     for r, s in zip(batched, single):
@@ -250,32 +254,35 @@ def test_mixed_length_batch_equals_one_at_a_time(model, vocab, beam_size):
         assert [t.score for t in r] == sorted((t.score for t in r), reverse=True)
 
 
-def test_translate_lines_order_empty_lines_and_max_length(model, vocab):
+def test_translate_order_empty_lines_and_max_length(model, vocab):
     lines = ["a man is walking", "", "zwei kinder spielen fußball im park", "   ", "a"]
-    out = translate_lines(model, vocab, lines, beam_size=4, max_len_a=0.0, max_len_b=3)
+    translator = Translator(model, vocab, precision="fp32")
+    out = translator.translate(lines, beam_size=4, max_len_a=0.0, max_len_b=3)
     assert len(out) == 5 and out[1] == "" and out[3] == ""
-    for line, text in zip(lines, translate_nbest(model, vocab, lines, max_len_a=1.0, max_len_b=2)):
+    for line, text in zip(lines, translator.generate(lines, max_len_a=1.0, max_len_b=2)):
         n_src = len(vocab.encode(line))
         assert len(text[0].tokens) <= n_src + 2 + 1  # input length + b tokens, then EOS
     model.train()  # as the training loop's validation calls it: decoding must not leave eval
     try:
-        assert translate_lines(model, vocab, lines, beam_size=1, max_len_b=3) == \
-            translate_lines(model.eval(), vocab, lines, beam_size=1, max_len_b=3)
+        assert translator.translate(lines, beam_size=1, max_len_b=3) == \
+            Translator(model.eval(), vocab, precision="fp32").translate(lines, beam_size=1,
+                                                                       max_len_b=3)
         model.train()
-        translate_lines(model, vocab, lines, beam_size=4, max_len_b=3)
+        translator.translate(lines, beam_size=4, max_len_b=3)
         assert model.training
     finally:
         model.eval()
 
 
-def test_long_input_truncated_with_warning_or_rejected(model, vocab):
+def test_long_input_truncated_with_warning_or_rejected(model, vocab, caplog):
     long = " ".join(["street"] * (model.config.max_len + 10))
-    with pytest.warns(UserWarning, match="line 2"):
-        out = translate_lines(model, vocab, ["a", long], beam_size=1, max_len_a=0.0,
-                              max_len_b=2)
+    translator = Translator(model, vocab, precision="fp32")
+    with caplog.at_level("WARNING", logger="aiayn"):
+        out = translator.translate(["a", long], beam_size=1, max_len_a=0.0, max_len_b=2)
     assert len(out) == 2
+    assert "line 2" in caplog.text and "truncated" in caplog.text
     with pytest.raises(InputTooLongError, match="line 2"):
-        translate_nbest(model, vocab, ["a", long], beam_size=1, long_inputs="error")
+        translator.generate(["a", long], beam_size=1, long_inputs="error")
 
 
 def test_sampling(model):

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    from aiayn.devices import widen_onednn_cache
+
+    widen_onednn_cache()  # a process the command line starts: before its first bf16 product
     try:
         return int(args._run(args) or 0)
     except (UserError, ValueError, OSError) as err:

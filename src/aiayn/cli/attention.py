@@ -11,9 +11,10 @@ HELP = ("Draw the attention weights of one translation as the paper's Figures 3-
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, metavar="PATH",
-                   help="checkpoint directory (or a run directory: its averaged, best or "
-                        "newest checkpoint)")
+    p.add_argument("--checkpoint", required=True, nargs="+", metavar="PATH",
+                   help="checkpoint directory, or a run directory (the model its pipeline "
+                        "chose; else its averaged, best or newest checkpoint); an ensemble "
+                        "shows its first member's attention over the ensemble's translation")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", metavar="SENTENCE", help="the source sentence")
     src.add_argument("-i", "--input", metavar="FILE",
@@ -41,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=None,
                    help="length penalty (default: the checkpoint's decode.alpha)")
     p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
+                   help="as aiayn translate's (default: fp32 for a model trained in fp32, "
+                        "else auto)")
 
 
 def _source(args: argparse.Namespace) -> str:
@@ -73,29 +77,22 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None and not args.output.lower().endswith(".png"):
         raise ValueError(f"-o {args.output}: the image is written as PNG, name it *.png")
     source = _source(args)
-    from aiayn.checkpoint import load_checkpoint
-    from aiayn.viz.attention import attention_maps
+    from aiayn.cli.translate import load_translator
     from aiayn.viz.plot import draw_heatmaps, draw_lines
 
-    model, config, vocab = load_checkpoint(args.checkpoint, device=args.device)
+    translator = load_translator(args, "attention")
+    config = translator.config
     N, h = config.model.N, config.model.h
     layer = N if args.layer is None else args.layer
     if not 1 <= layer <= N:
         raise ValueError(f"--layer {layer} does not exist: the model has N={N} layers (1 … {N})")
     heads = _heads(args.head, h)
-    d = config.decode
-    from aiayn.cli.translate import warner
-    from aiayn.data.text import model_text
-
-    # the text the model was trained on (e.g. lowercased and Moses-tokenized), as translate does
-    warn = warner("attention")
-    source = model_text([source], config.data, warn=warn)[0]
+    # the text the model was trained on (e.g. lowercased and Moses-tokenized), as translate reads
+    source = translator.preprocess([source], warn=translator.warn)[0]
     target = None if args.target is None else \
-        model_text([args.target], config.data, "tgt", warn=warn)[0]
-    maps = attention_maps(model, vocab, source, target,
-                          beam_size=d.beam_size if args.beam is None else args.beam,
-                          alpha=d.alpha if args.alpha is None else args.alpha,
-                          max_len_a=d.max_len_a, max_len_b=d.max_len_b)
+        translator.preprocess([args.target], "tgt", warn=translator.warn)[0]
+    maps = translator.attention(source, target, beam_size=args.beam, alpha=args.alpha,
+                                preprocessed=True)
     if args.output is not None:
         draw = draw_lines if args.style == "lines" else draw_heatmaps
         draw(maps, args.kind, layer - 1, heads, args.output)

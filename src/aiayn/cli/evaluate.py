@@ -4,6 +4,7 @@ file), each score labelled with its protocol (see :mod:`aiayn.evaluation.bleu`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -70,26 +71,27 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--hyp {args.hyp}: the file is empty, nothing to score")
         result["hyp"] = args.hyp
     else:
-        from aiayn.cli.translate import decode_options, load_models, warner
-        from aiayn.decoding import translate_nbest
-
-        from aiayn.data.text import is_protocol_text, model_text
+        from aiayn.cli.translate import decode_options, load_translator
+        from aiayn.data.text import is_protocol_text
 
         lines = read_lines(args.src)
         if not lines:
             raise UserError(f"--src {args.src}: the file is empty, nothing to translate")
-        models, config, vocab = load_models(args)
+        translator = load_translator(args, "evaluate")
+        config = translator.config
         # the model reads and writes the text it was trained on (data.preprocess)
-        lines = model_text(lines, config.data, warn=warner("evaluate"))
         pretokenized = is_protocol_text(config.data.preprocess)
-        options = decode_options(args, config)
-        translations = translate_nbest(models, vocab, lines, warn=warner("evaluate"),
-                                       progress=not args.quiet and sys.stderr.isatty(),
-                                       **options)
+        options = decode_options(args)
+        translations = translator.generate(lines, progress=not args.quiet and
+                                           sys.stderr.isatty(), **options)
         hyps = [t[0].text for t in translations]
         lang = lang or config.data.tgt_lang
+        decode = translator.search(**{k: options[k] for k in (
+            "beam_size", "alpha", "max_len_a", "max_len_b", "batch_size")})
         result.update(checkpoint=args.checkpoint[0], src=args.src,
-                      decode={k: v for k, v in options.items() if k != "sampling"},
+                      decode={**dataclasses.asdict(decode), "nbest": 1,
+                              "bf16": translator.precision.uses_bf16,
+                              "long_inputs": options["long_inputs"]},
                       sampling=options["sampling"] is not None)
         if len(args.checkpoint) > 1:
             result["ensemble"] = args.checkpoint

@@ -4,6 +4,7 @@ beam-search translation of the test set, BLEU and chrF, curves."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -82,12 +83,11 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
-    from aiayn.checkpoint import is_checkpoint, list_checkpoints, load_checkpoint
+    from aiayn.checkpoint import is_checkpoint, list_checkpoints
     from aiayn.cli.plot import plot_run
     from aiayn.config import load_config
     from aiayn.devices import choose_device
     from aiayn.fileio import write_atomic, write_json_atomic
-    from aiayn.decoding import translate_lines
     from aiayn.evaluation.bleu import (chrf_score, multi30k_tok_bleu, multi30k_tokenize,
                                        sacrebleu_scores)
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.training.average import average_checkpoints
     from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
                                          train_members)
-    from aiayn.training.run import load_split, run_training
+    from aiayn.training.run import load_raw_split, load_split, run_training
 
     def say(msg: str) -> None:
         if not args.json:
@@ -163,43 +163,38 @@ def run(args: argparse.Namespace) -> int:
 
     dc = config.decode
     from aiayn.data.text import is_protocol_text
-    from aiayn.precision import choose_precision, default_decoding_precision
+    from aiayn.translator import Translator, write_generation_config
 
     trained = (members[0] if members else summary)["precision"]
     say(f"[1/4] trained at precision {trained['chosen']} ({trained['requested']}: "
         f"{trained['reason']})")
-    decoding = choose_precision(default_decoding_precision(trained["requested"]), device,
-                                config.model, training=False)
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
 
-    def average(k: int | str) -> tuple[list[Path], tuple[Any, Any, Any]]:
+    def average(k: int | str) -> tuple[list[Path], Translator]:
         """The last ``k`` checkpoints of each run (one, or each ensemble member) averaged into
-        its ``averaged`` folder, and those models loaded: (their paths, (models, run config,
-        vocabulary)); ``k = "ema"``: each run's moving average of the weights, RUN/ema."""
-        found, models = [], []
+        its ``averaged`` folder: (the checkpoints averaged, the :class:`Translator` of the
+        averages); ``k = "ema"``: each run's moving average of the weights, RUN/ema."""
+        found, paths = [], []
         for run in runs:
             if k == "ema":
                 say(f"[2/4] the moving average of the weights (train.ema_decay {ema_decay}): "
                     f"{run / 'ema'}")
                 found.append(run / "ema")
-                models.append(load_checkpoint(run / "ema", device))
+                paths.append(run / "ema")
                 continue
             last = list_checkpoints(run)[-k:]
             say(f"[2/4] averaging the last {len(last)} checkpoints (§6.1)"
                 + (f" of {run.name}" if members else "") + f": "
                 f"{', '.join(p.name for p in last)}")
             found += last
-            models.append(load_checkpoint(average_checkpoints(last, run / "averaged"), device))
-        _, run_config, vocab = models[0]
-        return found, ([m for m, _, _ in models], run_config, vocab)
+            paths.append(average_checkpoints(last, run / "averaged"))
+        return found, Translator.from_pretrained(paths, device=device)
 
-    def translate(loaded: tuple[Any, Any, Any], lines: list[str], alpha: float) -> list[str]:
-        models, run_config, vocab = loaded
-        return translate_lines(models, vocab, lines, beam_size=dc.beam_size, alpha=alpha,
-                               max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                               batch_size=dc.batch_size, bf16=decoding.uses_bf16,
-                               progress=not args.no_progress and not args.json)
+    def translate(translator: Translator, lines: list[str], alpha: float) -> list[str]:
+        """``lines`` of the corpus (the model's text already), beam search with ``alpha``."""
+        return translator.translate(lines, alpha=alpha, preprocessed=True,
+                                    progress=not args.no_progress and not args.json)
 
     def bleu_of(hyps: list[str], refs: list[str]) -> float:
         """The job's headline BLEU: the Multi30k protocol on Multi30k (``refs`` already in
@@ -231,26 +226,38 @@ def run(args: argparse.Namespace) -> int:
     if ema_decay > 0 and all(is_checkpoint(run / "ema") for run in runs):
         candidates.append("ema")
     width, alpha = widths[0], dc.alpha
+    translator = None
     if valid is not None and len(valid):
         refs = valid.tgt if lc_tok or d.dataset != "multi30k" else \
             [multi30k_tokenize(r, d.tgt_lang) for r in valid.tgt]
         for k in candidates:
-            found, loaded = average(k)
+            found, translator = average(k)
             say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
                 f"alpha {', '.join(map(str, alphas))}")
             scores_k = by_average[str(k)] = {}
             for a in alphas:
-                scores_k[str(a)] = round(bleu_of(translate(loaded, valid.src, a), refs), 2)
+                scores_k[str(a)] = round(bleu_of(translate(translator, valid.src, a), refs), 2)
                 say(f"      val BLEU, {_described(k)}, alpha {a}: {scores_k[str(a)]:.2f}")
         width, alpha = max(((k, a) for k in candidates for a in alphas),
                            key=lambda ka: by_average[str(ka[0])][str(ka[1])])
     valid_bleu = by_average.get(str(width), {})
-    if not by_average or width != candidates[-1]:  # load the chosen one (the last is loaded)
-        found, loaded = average(width)
-    say(f"[3/4] translating {len(test)} test sentences: beam {dc.beam_size}, alpha {alpha}, "
-        f"max length input + {dc.max_len_b}")
+    if not by_average or width != candidates[-1]:  # average the chosen one again
+        found, translator = average(width)
+    # the run directory becomes the model it reports: these members, this search
+    chosen = dataclasses.replace(dc, alpha=alpha)
+    members_used = translator.source
+    write_generation_config(
+        run_dir, members_used, chosen, weights=str(width),
+        averaged=[str(p.relative_to(run_dir)) for p in found],
+        valid_bleu=valid_bleu.get(str(alpha)),
+        valid_protocol=("Multi30k protocol (lowercased, tokenized)" if d.dataset == "multi30k"
+                        else "sacreBLEU (cased, detokenized)"))
+    final = Translator.from_pretrained(run_dir, device=device)
+    raw_test = load_raw_split(d, "test")
+    say(f"[3/4] translating {len(test)} test sentences: beam {chosen.beam_size}, alpha {alpha}, "
+        f"max length input + {chosen.max_len_b} (the model {run_dir} now loads as)")
     t1 = time.monotonic()
-    hyps = translate(loaded, test.src, alpha)
+    hyps = final.translate(raw_test.src, progress=not args.no_progress and not args.json)
     decode_s = time.monotonic() - t1
     hyp_path = run_dir / f"test.hyp.{d.tgt_lang}"
     write_atomic(hyp_path, "".join(h + "\n" for h in hyps))
@@ -272,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         "train_cpu_steal_pct": summary.get("cpu_steal_pct"),
         "threads": torch.get_num_threads(),
         # train.precision as resolved on this machine (with the probe's figures), and decoding's
-        "precision": trained, "decode_precision": decoding.chosen,
+        "precision": trained, "decode_precision": final.precision.chosen,
         "averaged": [str(p.relative_to(run_dir)) if members else p.name for p in found],
         # "ema" when the moving average of the weights won on val, else the averaging width
         "weights": str(width),

@@ -16,13 +16,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from aiayn.serve.app import ServeLimits
 
     d = ServeLimits()
-    p.add_argument("--checkpoint", required=True, metavar="PATH",
-                   help="checkpoint directory (or a run directory: its averaged, best or "
-                        "newest checkpoint)")
+    p.add_argument("--checkpoint", required=True, nargs="+", metavar="PATH",
+                   help="checkpoint directory, or a run directory (the model its pipeline "
+                        "chose on the validation set, ensemble and all; else its averaged, "
+                        "best or newest checkpoint); several paths make an ensemble")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--device", default="cpu", help="torch device")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
+                   help="as aiayn translate's (default: fp32 for a model trained in fp32, "
+                        "else auto)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for decoding (default: torch's choice)")
     g = p.add_argument_group("limits (a request over one is refused with 413, 422 or 429)")
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from aiayn.checkpoint import load_checkpoint, resolve_checkpoint
+    from aiayn.cli.translate import load_translator
     from aiayn.serve.app import ServeLimits, create_app
 
     if not 0 < args.port < 65536:
@@ -75,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
         max_wait_ms=args.max_wait_ms, max_beam=args.max_beam)
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_checkpoint(args.checkpoint)
-    model, config, vocab = load_checkpoint(path, device=args.device)
-    app = create_app(model, config, vocab, limits, checkpoint=str(path))
+    translator = load_translator(args, "serve")
+    app = create_app(translator, limits)
+    path = " + ".join(translator.source)
     print(f"aiayn serve: {path} on http://{args.host}:{args.port}/ (Ctrl-C or SIGTERM stops "
           "after the requests in flight)", file=sys.stderr, flush=True)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets requests in flight finish

@@ -23,6 +23,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", default=None, metavar="PATH",
                    help="an existing vocabulary (tokenizer.json or its folder); default: learn "
                         "one from the training data (data.vocab_size, data.vocab_kind)")
+    p.add_argument("--init-from", default=None, metavar="CKPT_OR_HF_DIR",
+                   help="fine-tune: start from this model's weights and vocabulary (a "
+                        "checkpoint, a run directory or a Hugging Face Marian directory), with "
+                        "a fresh optimizer and schedule; its architecture, text "
+                        "(data.preprocess) and decode settings are kept, dropout, data and "
+                        "training come from --preset/--config/--set")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --run-dir from its newest checkpoint")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if "
@@ -36,12 +42,17 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.training.loop import DistInfo
     from aiayn.training.run import run_training
 
+    from aiayn.errors import UserError
+
+    if args.init_from and (args.resume or args.vocab):
+        raise UserError("--init-from brings its own weights and vocabulary: it goes with "
+                        "neither --resume nor --vocab")
     config = None if args.resume else load_config(args.config or args.preset or "multi30k",
                                                   args.set)
     summary = run_training(config, args.run_dir, vocab_path=args.vocab, resume=args.resume,
                            overrides=args.set if args.resume else None, device=args.device,
                            progress=not args.no_progress,
-                           log=lambda msg: print(msg, flush=True))
+                           log=lambda msg: print(msg, flush=True), init_from=args.init_from)
     if DistInfo.from_env().is_main:
         if args.json:
             print(json.dumps(summary))

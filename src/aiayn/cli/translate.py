@@ -80,61 +80,30 @@ def check_decode_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--{err}") from None
 
 
-def decode_options(args: argparse.Namespace, config, nbest: int = 1) -> dict:
-    """Keyword arguments for :func:`aiayn.decoding.translate_nbest` from the CLI options, with
-    the checkpoint's ``config.decode`` filling what was not given."""
+def decode_options(args: argparse.Namespace, nbest: int = 1) -> dict:
+    """Keyword arguments for :meth:`aiayn.Translator.generate` from the CLI options; what was
+    not given stays None, so the model's own decode defaults fill it."""
     from aiayn.decoding import SamplingConfig
 
-    d = config.decode
-    pick = lambda value, default: default if value is None else value  # noqa: E731
     sampling = None
     if args.sample:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-    return dict(beam_size=pick(args.beam, d.beam_size), alpha=pick(args.alpha, d.alpha),
-                max_len_a=pick(args.max_len_a, d.max_len_a),
-                max_len_b=pick(args.max_len_b, d.max_len_b),
-                batch_size=pick(args.batch_size, d.batch_size), nbest=nbest, sampling=sampling,
-                bf16=decode_precision(args, config).uses_bf16,
-                long_inputs="error" if args.reject_long else "truncate",
-                beam_rules=d.beam_rules)
+    return dict(beam_size=args.beam, alpha=args.alpha, max_len_a=args.max_len_a,
+                max_len_b=args.max_len_b, batch_size=args.batch_size, nbest=nbest,
+                sampling=sampling, long_inputs="error" if args.reject_long else "truncate")
 
 
-def decode_precision(args: argparse.Namespace, config):
-    """The :class:`~aiayn.precision.Precision` to decode with: ``--precision``, else the
-    default for a model trained with ``config.train.precision``, resolved on ``--device``."""
-    from aiayn.devices import choose_device
-    from aiayn.precision import choose_precision, default_decoding_precision
-
-    requested = args.precision or default_decoding_precision(config.train.precision)
-    return choose_precision(requested, choose_device(args.device), config.model,
-                            training=False)
-
-
-def load_models(args: argparse.Namespace):
-    """(models, config, vocab) of the ``--checkpoint`` paths on ``--device``: one model, or
-    an ensemble; ``config`` is the first checkpoint's.
+def load_translator(args: argparse.Namespace, command: str):
+    """The :class:`aiayn.Translator` of ``--checkpoint`` (one path or an ensemble's), on
+    ``--device`` at ``--precision``; what loading has to say goes to stderr.
 
     Raises:
-        UserError: an ensemble member whose vocabulary or text (``data.preprocess``) differs
-            from the first checkpoint's.
+        UserError: see :meth:`aiayn.Translator.from_pretrained`.
     """
-    from aiayn.checkpoint import load_checkpoint
-    from aiayn.devices import choose_device
-    from aiayn.errors import UserError
+    from aiayn.translator import Translator
 
-    device = choose_device(args.device)
-    paths = args.checkpoint if isinstance(args.checkpoint, list) else [args.checkpoint]
-    loaded = [load_checkpoint(path, device=device) for path in paths]
-    _, config, vocab = loaded[0]
-    for path, (_, other, other_vocab) in zip(paths[1:], loaded[1:]):
-        if other_vocab.fingerprint != vocab.fingerprint:
-            raise UserError(f"--checkpoint {path}: its vocabulary differs from {paths[0]}'s; "
-                            "an ensemble needs models trained on one vocabulary")
-        if other.data.preprocess != config.data.preprocess:
-            raise UserError(f"--checkpoint {path}: it reads data.preprocess = "
-                            f"{other.data.preprocess!r} text, {paths[0]} "
-                            f"{config.data.preprocess!r}; an ensemble needs one kind of text")
-    return [model for model, _, _ in loaded], config, vocab
+    return Translator.from_pretrained(args.checkpoint, device=args.device,
+                                      precision=args.precision, warn=warner(command))
 
 
 def read_input(path: str | None) -> list[str]:
@@ -171,9 +140,6 @@ def _one_line(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiayn.data.text import model_text
-    from aiayn.decoding import translate_nbest
-
     from aiayn.devices import choose_device
     from aiayn.fileio import atomic_file, check_output_file
 
@@ -185,11 +151,9 @@ def run(args: argparse.Namespace) -> int:
     if to_file:  # before the whole input is decoded, not after
         check_output_file(args.output)
     lines = read_input(args.input)
-    models, config, vocab = load_models(args)
-    lines = model_text(lines, config.data, warn=warner("translate"))
-    options = decode_options(args, config, nbest=args.nbest)
-    results = translate_nbest(models, vocab, lines, warn=warner("translate"),
-                              progress=args.output is not None and not args.quiet, **options)
+    translator = load_translator(args, "translate")
+    results = translator.generate(lines, progress=args.output is not None and not args.quiet,
+                                  **decode_options(args, nbest=args.nbest))
     out = []
     for n, translations in enumerate(results):
         if args.json:

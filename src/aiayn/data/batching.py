@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from aiayn.data.corpus import ParallelCorpus
-from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocabulary
+from aiayn.data.vocab import EOS_ID, PAD_ID, Vocabulary
 
 
 @dataclass
@@ -46,7 +46,8 @@ class EncodedCorpus:
         return np.fromiter((len(s) for s in self.src), dtype=np.int64, count=len(self.src))
 
     def tgt_lengths(self) -> np.ndarray:
-        """(n,) int64 decoder lengths: target tokens + 1 (BOS in the input, EOS in the output)."""
+        """(n,) int64 decoder lengths: target tokens + 1 (the start token in the input, EOS in
+        the output)."""
         return np.fromiter((len(t) + 1 for t in self.tgt), dtype=np.int64, count=len(self.tgt))
 
     def target_token_ids(self) -> np.ndarray:
@@ -183,7 +184,7 @@ class Batch:
 
     Attributes:
         src: (B, S) source ids ending in EOS, right-padded with PAD.
-        tgt_in: (B, T) BOS + target, the decoder input shifted right (§3.1).
+        tgt_in: (B, T) the start token + target, the decoder input shifted right (§3.1).
         tgt_out: (B, T) target + EOS, what the decoder must predict; PAD where ignored.
         indices: the corpus indices of the rows.
     """
@@ -206,8 +207,12 @@ class Batch:
                      self.indices)
 
 
-def collate(corpus: EncodedCorpus, indices: list[int]) -> Batch:
-    """Pad the pairs ``indices`` of ``corpus`` into a :class:`Batch` (int64 tensors on CPU)."""
+def collate(corpus: EncodedCorpus, indices: list[int], *, start_id: int) -> Batch:
+    """Pad the pairs ``indices`` of ``corpus`` into a :class:`Batch` (int64 tensors on CPU).
+
+    The decoder's inputs are the targets shifted right behind ``start_id``, the model's
+    ``config.decoder_start_id`` (BOS; pad in Marian models), the token every search starts
+    from (§3: "offset by one position")."""
     srcs = [corpus.src[i] for i in indices]
     tgts = [corpus.tgt[i] for i in indices]
     B = len(indices)
@@ -216,7 +221,7 @@ def collate(corpus: EncodedCorpus, indices: list[int]) -> Batch:
     src = np.full((B, S), PAD_ID, dtype=np.int64)
     tgt_in = np.full((B, T), PAD_ID, dtype=np.int64)
     tgt_out = np.full((B, T), PAD_ID, dtype=np.int64)
-    tgt_in[:, 0] = BOS_ID
+    tgt_in[:, 0] = start_id
     for r, (s, t) in enumerate(zip(srcs, tgts, strict=True)):
         src[r, : len(s)] = s
         tgt_in[r, 1 : len(t) + 1] = t

@@ -16,12 +16,11 @@ from aiayn.decoding.translate import (
     InputTooLongError,
     Translation,
     encode_sources,
-    translate_lines,
     translate_nbest,
 )
 
 __all__ = [
     "CachedStep", "EnsembleStep", "Hypothesis", "InputTooLongError", "SamplingConfig", "StepFunction",
     "Translation", "UncachedStep", "beam_search", "encode_sources", "greedy_search",
-    "length_penalty", "max_output_lengths", "translate_lines", "translate_nbest",
+    "length_penalty", "max_output_lengths", "translate_nbest",
 ]

@@ -190,12 +190,14 @@ class FastStep:
         self.decoder = decoder
         self.state = state
 
+    @property
+    def start_id(self) -> int:
+        return self.decoder.model.config.decoder_start_id
+
     def __call__(self, tokens: Tensor) -> Tensor:
         dec, st = self.decoder, self.state
         model = dec.model
         n = tokens.shape[0]
-        if st.t == 0:
-            tokens = torch.full_like(tokens, model.config.decoder_start_id)
         if st.t >= st.max_steps + 1:
             raise ValueError(f"FastStep: more than {st.max_steps + 1} steps")
         x = model._embed(model.tgt_embed, tokens[:, None], offset=st.t).to(dec.compute_dtype)

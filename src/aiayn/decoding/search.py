@@ -31,10 +31,14 @@ class StepFunction(Protocol):
     """What a search needs from a decoder.
 
     ``step(tokens)`` takes the newest token of each of the n rows, ``tokens`` long (n,), and
-    returns next-token logits (n, V) (any float dtype); the first call receives BOS. Calling it
-    advances the rows by one position. ``step.select(index)`` returns a step function whose row
-    i continues row ``index[i]`` of this one (index long (n',), repeats allowed).
+    returns next-token logits (n, V) (any float dtype); the first call receives ``start_id``,
+    the decoder's start token (the model's ``config.decoder_start_id``: BOS, or pad in Marian
+    models). Calling it advances the rows by one position. ``step.select(index)`` returns a
+    step function whose row i continues row ``index[i]`` of this one (index long (n',),
+    repeats allowed).
     """
+
+    start_id: int
 
     def __call__(self, tokens: Tensor) -> Tensor: ...
 
@@ -151,7 +155,7 @@ def greedy_search(
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     rows = torch.arange(B, device=device)  # sentence of each live row
     lens = max_lens.clone()
-    tokens = torch.full((B,), BOS_ID, dtype=torch.long, device=device)
+    tokens = torch.full((B,), step.start_id, dtype=torch.long, device=device)
     log_prob = torch.zeros(B, device=device)
     out_tokens: list[list[int]] = [[] for _ in range(B)]
     out_logp = [0.0] * B
@@ -269,7 +273,7 @@ def beam_search(
     fin_logp = torch.full((B, K), NEG_INF, device=device)
     fin_tokens = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (n, K, t)
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
-    last = torch.full((B * K,), BOS_ID, dtype=torch.long, device=device)
+    last = torch.full((B * K,), step.start_id, dtype=torch.long, device=device)
     t = 0
     while True:
         n = live.shape[0]
@@ -347,9 +351,11 @@ class CachedStep:
         """From encoder output ``memory`` (B, S, d_model) and ``src_mask`` bool (B, S)."""
         return cls(model, model.start_cache(memory, src_mask))
 
+    @property
+    def start_id(self) -> int:
+        return self.model.config.decoder_start_id
+
     def __call__(self, tokens: Tensor) -> Tensor:
-        if self.cache.length == 0:  # BOS, or the model's own start token (Marian: pad)
-            tokens = torch.full_like(tokens, self.model.config.decoder_start_id)
         return self.model.decode_step(tokens[:, None], self.cache)[:, -1]  # (n, V)
 
     def select(self, index: Tensor) -> CachedStep:
@@ -371,9 +377,11 @@ class UncachedStep:
     def start(cls, model, memory: Tensor, src_mask: Tensor) -> UncachedStep:
         return cls(model, memory, src_mask)
 
+    @property
+    def start_id(self) -> int:
+        return self.model.config.decoder_start_id
+
     def __call__(self, tokens: Tensor) -> Tensor:
-        if self.prefix.shape[1] == 0:  # BOS, or the model's own start token (Marian: pad)
-            tokens = torch.full_like(tokens, self.model.config.decoder_start_id)
         self.prefix = torch.cat([self.prefix, tokens[:, None]], dim=1)  # (n, t+1)
         return self.model.decode(self.prefix, self.memory, self.src_mask)[:, -1]
 
@@ -393,13 +401,19 @@ class EnsembleStep:
     others' probability, weighted 1/M. ``select`` reorders every member's rows alike.
 
     Raises:
-        ValueError: no members, or members whose vocabularies differ in size.
+        ValueError: no members, members whose vocabularies differ in size, or members that
+            start decoding from different tokens.
     """
 
     def __init__(self, steps: list[StepFunction]) -> None:
         if not steps:
             raise ValueError("EnsembleStep needs at least one step function")
+        starts = sorted({step.start_id for step in steps})
+        if len(starts) > 1:
+            raise ValueError(f"ensemble members start decoding from different tokens {starts} "
+                             "(decoder_start_id); an ensemble needs one")
         self.steps = list(steps)
+        self.start_id = starts[0]
 
     def __call__(self, tokens: Tensor) -> Tensor:
         logp = [F.log_softmax(step(tokens).float(), dim=-1) for step in self.steps]
@@ -419,7 +433,7 @@ def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
     """§6.1: maximum output length = input length + 50, i.e. ``a * len + b`` with a=1, b=50.
 
     ``src_lengths``: long (B,) source tokens without EOS. Capped at ``model_max_len - 1`` so
-    BOS plus the output fits the positional table. Returns long (B,).
+    the start token plus the output fits the positional table. Returns long (B,).
     """
     lens = torch.floor(src_lengths.double() * max_len_a + max_len_b).long()
     return lens.clamp(min=0, max=model_max_len - 1)

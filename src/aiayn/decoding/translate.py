@@ -26,6 +26,7 @@ from aiayn.decoding.search import (
     greedy_search,
     max_output_lengths,
 )
+from aiayn.config import DecodeConfig
 from aiayn.errors import UserError
 
 
@@ -84,40 +85,38 @@ def translate_nbest(
     model,
     vocab: Vocabulary,
     lines: list[str],
+    decode: DecodeConfig,
     *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    max_len_a: float = 1.0,
-    max_len_b: int = 50,
-    batch_size: int = 64,
     nbest: int = 1,
     sampling: SamplingConfig | None = None,
     bf16: bool = False,
     use_cache: bool = True,
     min_len: int = 0,
-    beam_rules: str = "t2t",
     fast: str | None = None,
     long_inputs: str = "truncate",
     warn: Callable[[str], None] | None = None,
     progress: bool = False,
 ) -> list[list[Translation]]:
-    """Translate ``lines``; for each, up to ``nbest`` translations, best first.
+    """Translate ``lines`` of the model's own text; for each, up to ``nbest`` translations,
+    best first. The engine under :class:`aiayn.Translator`, which owns the raw-text contract
+    (preprocessing, the decode defaults, precision): call that unless the text is already
+    the model's.
 
     Args:
         model: a :class:`~aiayn.model.Transformer` (unwrapped, not DDP), or a sequence of them
             sharing ``vocab``: an ensemble, whose members' next-token probabilities are
             averaged at every step (:class:`~aiayn.decoding.search.EnsembleStep`). Decoded in
             eval mode, and left in the training/eval mode each came in.
-        beam_size: K; 1 = greedy search (§6.1 used 4). Ignored when ``sampling`` is given.
-        alpha: length penalty, lp(Y) = ((5 + |Y|) / 6) ** alpha (§6.1 used 0.6).
-        max_len_a, max_len_b: at most ``a * source_tokens + b`` output tokens (§6.1: a=1, b=50).
-        batch_size: sentences decoded together (B).
+        lines: text as the model reads it (``data.preprocess`` applied).
+        decode: the search (§6.1): ``beam_size`` K (1 = greedy; ignored when ``sampling`` is
+            given), ``alpha`` (lp(Y) = ((5 + |Y|) / 6) ** alpha), at most ``max_len_a *
+            source_tokens + max_len_b`` output tokens, ``batch_size`` sentences decoded
+            together, ``beam_rules`` (see :func:`~aiayn.decoding.search.beam_search`).
         nbest: translations per line (<= beam_size; greedy and sampling give 1).
         sampling: sample instead of searching (see :class:`SamplingConfig`).
         bf16: run the model under ``torch.autocast(dtype=torch.bfloat16)``.
         use_cache: False reruns the decoder over the whole prefix each step (benchmarks).
         min_len: ban EOS before this many tokens (benchmarks fix output lengths with it).
-        beam_rules: "t2t" or "hf"; see :func:`~aiayn.decoding.search.beam_search`'s ``rules``.
         fast: None (the reference step, :class:`CachedStep`), or "fp32", "bf16" or "int8":
             decode with :class:`aiayn.decoding.fast.FastStep` and decoder weights in that type.
         long_inputs: "truncate" (warn) or "error"; see :func:`encode_sources`.
@@ -126,11 +125,9 @@ def translate_nbest(
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
         ValueError: bad search settings; an empty ensemble, or members with different output
-            vocabulary sizes or on different devices.
+            vocabulary sizes, start tokens or devices.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if nbest > 1 and (beam_size == 1 or sampling is not None):
+    if nbest > 1 and (decode.beam_size == 1 or sampling is not None):
         raise ValueError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
     models = list(model) if isinstance(model, Sequence) else [model]
     _check_ensemble(models)
@@ -138,9 +135,8 @@ def translate_nbest(
     for m in models:
         m.eval()  # no dropout while decoding; the caller's mode is restored below
     try:
-        return _translate(models, vocab, lines, beam_size, alpha, max_len_a, max_len_b,
-                          batch_size, nbest, sampling, bf16, use_cache, min_len, long_inputs,
-                          warn, progress, beam_rules, fast)
+        return _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache,
+                          min_len, long_inputs, warn, progress, fast)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)
@@ -158,9 +154,9 @@ def _check_ensemble(models: list) -> None:
         raise ValueError(f"ensemble members are on different devices: {devices}")
 
 
-def _translate(models, vocab, lines, beam_size, alpha, max_len_a, max_len_b, batch_size, nbest,
-               sampling, bf16, use_cache, min_len, long_inputs, warn, progress,
-               beam_rules="t2t", fast=None):
+def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, min_len,
+               long_inputs, warn, progress, fast):
+    batch_size = decode.batch_size
     device = next(models[0].parameters()).device
     max_len = min(m.config.max_len for m in models)
     sources = encode_sources(vocab, lines, max_len, long_inputs=long_inputs, warn=warn)
@@ -185,7 +181,8 @@ def _translate(models, vocab, lines, beam_size, alpha, max_len_a, max_len_b, bat
             src = pad_sources([sources[i] for i in chunk]).to(device)  # (B, S)
             encoded = [model.encode(src) for model in models]  # (memory, src_mask) each
             src_lengths = encoded[0][1].sum(dim=1) - 1  # without EOS
-            max_lens = max_output_lengths(src_lengths, max_len_a, max_len_b, max_len)
+            max_lens = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b,
+                                          max_len)
             if fast_decoders is not None:
                 steps = [decoder.start(memory, src_mask, int(max_lens.max()) + 1)
                          for decoder, (memory, src_mask) in zip(fast_decoders, encoded)]
@@ -194,12 +191,13 @@ def _translate(models, vocab, lines, beam_size, alpha, max_len_a, max_len_b, bat
                 steps = [kind.start(model, memory, src_mask)
                          for model, (memory, src_mask) in zip(models, encoded)]
             step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
-            if sampling is not None or beam_size == 1:
+            if sampling is not None or decode.beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
                                                    sampling=sampling)]
             else:
-                hyps = beam_search(step, max_lens, beam_size=beam_size, alpha=alpha,
-                                   nbest=nbest, min_len=min_len, rules=beam_rules)
+                hyps = beam_search(step, max_lens, beam_size=decode.beam_size,
+                                   alpha=decode.alpha, nbest=nbest, min_len=min_len,
+                                   rules=decode.beam_rules)
             for i, hs in zip(chunk, hyps):
                 results[i] = [_to_translation(vocab, h) for h in hs]
             if bar is not None:
@@ -211,25 +209,3 @@ def _translate(models, vocab, lines, beam_size, alpha, max_len_a, max_len_b, bat
 
 def _to_translation(vocab: Vocabulary, h: Hypothesis) -> Translation:
     return Translation(vocab.decode(h.tokens), h.score, h.log_prob, h.tokens)
-
-
-def translate_lines(
-    model,
-    vocab: Vocabulary,
-    lines: list[str],
-    *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    max_len_a: float = 1.0,
-    max_len_b: int = 50,
-    batch_size: int = 64,
-    bf16: bool = False,
-    progress: bool = False,
-) -> list[str]:
-    """The best translation of each line, as text, in input order (§6.1 search by default;
-    ``beam_size=1`` is greedy). An empty line gives an empty string. Long lines are truncated
-    with a warning. See :func:`translate_nbest` for the arguments."""
-    out = translate_nbest(model, vocab, lines, beam_size=beam_size, alpha=alpha,
-                          max_len_a=max_len_a, max_len_b=max_len_b, batch_size=batch_size,
-                          bf16=bf16, progress=progress)
-    return [t[0].text for t in out]

@@ -178,11 +178,10 @@ def run_table3(
 def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: Any,
              minutes: float, resume: bool, device: str | None, progress: bool,
              log: Callable[[str], None]) -> dict[str, Any]:
-    from aiayn.checkpoint import list_checkpoints, load_checkpoint
-    from aiayn.decoding import translate_lines
+    from aiayn.checkpoint import list_checkpoints
     from aiayn.evaluation.bleu import sacrebleu_scores
-    from aiayn.precision import choose_precision, default_decoding_precision
     from aiayn.training.run import run_training
+    from aiayn.translator import Translator
 
     budget = [f"train.time_budget_s={minutes * 60}", "train.max_steps=100000000",
               "train.eval_bleu_sentences=0", "train.eval_every_steps=100000000",
@@ -193,26 +192,25 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
     summary = run_training(None if resume else config, row_dir, vocab_path=vocab_dir,
                            resume=resume, overrides=budget if resume else None, device=device,
                            progress=progress, log=log)
-    model, run_config, vocab = load_checkpoint(list_checkpoints(row_dir)[-1], device or "cpu")
-    decoding = choose_precision(default_decoding_precision(run_config.train.precision),
-                                next(model.parameters()).device, run_config.model,
-                                training=False)
+    translator = Translator.from_pretrained(list_checkpoints(row_dir)[-1], device=device)
+    run_config, dc = translator.config, translator.decode_config
     t0 = time.monotonic()
-    dc = run_config.decode
-    hyps = translate_lines(model, vocab, valid.src, beam_size=4, alpha=0.6,
-                           max_len_a=dc.max_len_a, max_len_b=dc.max_len_b,
-                           batch_size=dc.batch_size, bf16=decoding.uses_bf16)
+    # the row's own decode settings (every preset: §6.1's beam 4, alpha 0.6); the corpus is the
+    # model's text already
+    hyps = translator.translate(valid.src, preprocessed=True)
     bleu = sacrebleu_scores(hyps, valid.tgt)
     ppl = summary.get("valid_ppl", math.nan)
     log(f"table3: row {row}: {summary['steps']} steps in {summary['elapsed_s'] / 60:.1f} min, "
-        f"dev PPL {ppl:.2f}, dev BLEU {bleu['bleu']:.2f} (beam 4 in "
+        f"dev PPL {ppl:.2f}, dev BLEU {bleu['bleu']:.2f} (beam {dc.beam_size}, alpha "
+        f"{dc.alpha} in "
         f"{time.monotonic() - t0:.0f} s)")
     return {"row": row, **row_cells(run_config), "steps": summary["steps"],
             "train_minutes": round(summary["elapsed_s"] / 60, 2),
             "dev_ppl": round(ppl, 3), "dev_bleu": round(bleu["bleu"], 2),
             "dev_bleu_sentences": len(valid), "bleu_signature": bleu["bleu_signature"],
             "parameters": summary["parameters"], "config": run_config.name,
-            "precision": summary["precision"]["chosen"]}
+            "precision": summary["precision"]["chosen"], "dev_beam_size": dc.beam_size,
+            "dev_alpha": dc.alpha}
 
 
 # --- reporting --------------------------------------------------------------------------------

@@ -64,6 +64,10 @@ class ConstrainedStep:
                                                                          f.clone())
         self.t = t
 
+    @property
+    def start_id(self) -> int:
+        return self.inner.start_id
+
     def _advance(self, tokens: Tensor) -> None:
         is_open = self.tv.is_open.to(tokens.device)[tokens]
         is_close = tokens == self.tv.close_id

@@ -1,4 +1,5 @@
-"""The HTTP server of ``aiayn serve``: a JSON API over one checkpoint, and a page at ``/``.
+"""The HTTP server of ``aiayn serve``: a JSON API over one :class:`aiayn.Translator` (a
+checkpoint, a run directory or an ensemble), and a page at ``/``.
 
 Endpoints:
 
@@ -182,30 +183,27 @@ def _validation_detail(err: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
-def create_app(model, config, vocab, limits: ServeLimits | None = None,
-               checkpoint: str | None = None) -> FastAPI:
-    """The ASGI application serving ``model`` (a :class:`~aiayn.model.Transformer`, put in
-    eval mode) with its ``config`` and ``vocab``.
+def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
+    """The ASGI application serving ``translator`` (an :class:`aiayn.Translator`: one model
+    or an ensemble, with its preprocessing, decode defaults, device and precision).
 
     The model runs on one worker thread; the batcher starts and stops with the app's lifespan
     (stopping finishes every queued request first).
     """
-    from aiayn.data.text import model_text, tokenized_input_warning
-    from aiayn.decoding import translate_nbest
+    from aiayn.data.text import tokenized_input_warning
     from aiayn.model.transformer import count_parameters
-    from aiayn.viz.attention import attention_maps
 
     limits = limits or ServeLimits()
-    model.eval()
-    decode = config.decode
-    max_len = config.model.max_len
+    config, vocab = translator.config, translator.vocab
+    decode = translator.decode_config
+    max_len = min(m.config.max_len for m in translator.models)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiayn-model")
 
     def run_batch(lines: list[str], key: tuple[int, float, int]):
         beam, alpha, nbest = key
-        return translate_nbest(model, vocab, lines, beam_size=beam, alpha=alpha, nbest=nbest,
-                               max_len_a=decode.max_len_a, max_len_b=decode.max_len_b,
-                               batch_size=limits.max_batch_lines, long_inputs="error")
+        return translator.generate(lines, beam_size=beam, alpha=alpha, nbest=nbest,
+                                   batch_size=limits.max_batch_lines, long_inputs="error",
+                                   preprocessed=True)
 
     state: dict = {}
 
@@ -281,7 +279,7 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
                 raise HTTPException(422, f"line {n} contains a line break: send one sentence "
                                          "per item of lines")
             check_chars(line, f"line {n}")
-        read = model_text(req.lines, config.data)  # preprocessed once, checked and decoded
+        read = translator.preprocess(req.lines)  # preprocessed once, checked and decoded
         for n, line in enumerate(read, 1):
             check_tokens(line, f"line {n}", max_len)
         key = search_settings(req.beam, req.alpha, req.nbest)
@@ -303,20 +301,20 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
         if req.target is not None and not req.target.strip():
             raise HTTPException(422, "target is empty: leave it out to use the model's output")
         check_chars(req.source, "source")
-        source = model_text([req.source], config.data, "src")[0]
+        source = translator.preprocess([req.source])[0]
         check_tokens(source, "source", limits.max_attention_tokens)
         target = None
         if req.target is not None:
             check_chars(req.target, "target")
-            target = model_text([req.target], config.data, "tgt")[0]
+            target = translator.preprocess([req.target], "tgt")[0]
             check_tokens(target, "target", limits.max_attention_tokens)
         beam, alpha, _ = search_settings(req.beam, req.alpha)
         # the model's own output may be longer than the bound on what a client may send
         max_len_b = min(decode.max_len_b, limits.max_attention_tokens)
         try:
-            maps = await batcher().run_exclusive(lambda: attention_maps(
-                model, vocab, source, target, beam_size=beam, alpha=alpha,
-                max_len_a=decode.max_len_a, max_len_b=max_len_b))
+            maps = await batcher().run_exclusive(lambda: translator.attention(
+                source, target, beam_size=beam, alpha=alpha, max_len_b=max_len_b,
+                preprocessed=True))
         except RuntimeError as err:
             if "shutdown" in str(err):
                 raise HTTPException(503, "the server is shutting down") from None
@@ -339,10 +337,15 @@ def create_app(model, config, vocab, limits: ServeLimits | None = None,
 
     @app.get("/info")
     async def info():
-        return {"model": asdict(config.model), "parameters": count_parameters(model),
-                "vocab_size": len(vocab), "checkpoint": checkpoint,
+        return {"model": asdict(config.model),
+                "parameters": count_parameters(translator.models[0]),
+                "vocab_size": len(vocab),
+                "checkpoint": translator.source[0] if translator.source else None,
+                "ensemble": translator.source if len(translator.models) > 1 else None,
+                "precision": translator.precision.chosen,
                 "decode": {"beam": decode.beam_size, "alpha": decode.alpha,
-                           "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b},
+                           "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b,
+                           "beam_rules": decode.beam_rules},
                 "limits": asdict(limits), "load": load()}
 
     page = resources.files("aiayn.serve").joinpath("static/index.html").read_text("utf-8")

@@ -44,7 +44,7 @@ from aiayn.data.batching import Batch, EncodedCorpus, collate, make_batches
 from aiayn.data.bpe_dropout import DroppedCorpus
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
-from aiayn.devices import cpu_times, keep_freed_memory, steal_percent
+from aiayn.devices import cpu_times, steal_percent
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
@@ -202,8 +202,6 @@ class Trainer:
         self.valid = valid
         self.valid_encoded = valid_encoded
         self.device = torch.device(device)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # no fresh pages to fault in every step (~4% of a step here)
         self.dist = DistInfo.from_env()
         if self.dist.world_size > 1 and not dist.is_initialized():
             raise RuntimeError("several processes: call init_distributed(device) before "
@@ -316,7 +314,8 @@ class Trainer:
             self._epoch_batches = self.batches_of_epoch(s.epoch)
         indices = self._epoch_batches[s.batch_in_epoch]
         s.batch_in_epoch += 1
-        return collate(self.data_of_epoch(s.epoch), indices).to(self.device)
+        return collate(self.data_of_epoch(s.epoch), indices,
+                       start_id=self.config.model.decoder_start_id).to(self.device)
 
     # --- checkpoints ----------------------------------------------------------------------
     def _training_state(self) -> dict[str, Any]:

@@ -185,20 +185,21 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
         order = make_batches(valid_encoded.src_lengths(), valid_encoded.tgt_lengths(),
                              config.data.max_tokens, shuffle=False)
         for idx in order:
-            loss, nll, k = batch_loss(model, collate(valid_encoded, idx).to(device))
+            batch = collate(valid_encoded, idx, start_id=config.model.decoder_start_id)
+            loss, nll, k = batch_loss(model, batch.to(device))
             loss_sum, nll_sum, n = loss_sum + float(loss), nll_sum + float(nll), n + k
         out["valid_loss"] = loss_sum / n
         out["valid_nll"] = nll_sum / n
         out["valid_ppl"] = math.exp(min(nll_sum / n, 50.0))
     k = config.train.eval_bleu_sentences
     if valid is not None and k > 0:
-        from aiayn.decoding import translate_lines
         from aiayn.evaluation.bleu import chrf_score, multi30k_tok_bleu, sacrebleu_scores
+        from aiayn.translator import Translator
 
-        d = config.decode
-        hyps = translate_lines(model, vocab, valid.src[:k], beam_size=1, max_len_a=d.max_len_a,
-                               max_len_b=d.max_len_b, batch_size=d.batch_size,
-                               bf16=bf16)
+        translator = Translator(model, vocab, config=config,
+                                precision="bf16" if bf16 else "fp32")
+        # greedy; the corpus is the model's text already (data.preprocess applied on loading)
+        hyps = translator.translate(valid.src[:k], beam_size=1, preprocessed=True)
         refs = valid.tgt[:k]
         from aiayn.data.text import is_protocol_text
 

@@ -3,6 +3,7 @@ and ``aiayn pipeline``)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +16,69 @@ from aiayn.data.batching import encode_corpus
 from aiayn.data.corpus import ParallelCorpus, load_dataset, load_parallel
 from aiayn.data.text import preprocess_corpus
 from aiayn.data.vocab import Vocabulary
-from aiayn.devices import choose_device
+from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
 from aiayn.errors import UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
 from aiayn.training.loop import DistInfo, Trainer, init_distributed
+
+
+logger = logging.getLogger("aiayn")
+
+
+def prepare_training_process(device: torch.device) -> None:
+    """The process-wide settings of a training process, made where one starts (never on
+    import): oneDNN keeps every compiled bf16 product of an epoch
+    (:func:`~aiayn.devices.widen_onednn_cache`), and on CPU glibc keeps freed blocks for the
+    next step (:func:`~aiayn.devices.keep_freed_memory`)."""
+    widen_onednn_cache()
+    if device.type == "cpu":
+        keep_freed_memory()
+
+
+def train(config: Config | str, run_dir: str | Path, *, overrides: list[str] | None = None,
+          init_from: str | Path | None = None, vocab: str | Path | None = None,
+          resume: bool = False, device: str | None = None,
+          progress: bool = False) -> dict[str, Any]:
+    """Train a model from Python, as ``aiayn train`` does (§5's recipe).
+
+    Progress is reported through :mod:`logging` (the ``aiayn`` logger, at INFO); metrics go to
+    ``run_dir/metrics.jsonl``; checkpoints to ``run_dir/checkpoints``.
+
+    Args:
+        config: a :class:`~aiayn.config.Config`, or a preset name or config file for
+            :func:`~aiayn.config.load_config`.
+        overrides: ``SECTION.FIELD=VALUE`` strings (``--set``).
+        init_from: fine-tune from this model (see :func:`run_training`).
+        vocab: an existing vocabulary (``tokenizer.json`` or its folder).
+        resume: continue the run in ``run_dir`` from its newest checkpoint.
+        device: "cpu", "cuda" or "cuda:N" (default: cuda when there is one).
+        progress: a tqdm bar on stderr.
+
+    Returns:
+        The run's summary (also in ``run_dir/train_summary.json``): steps, epochs,
+        ``elapsed_s``, ``stop_reason``, validation figures, precision.
+
+    Raises:
+        UserError: see :func:`run_training`.
+    """
+    from aiayn.config import load_config
+
+    if resume:
+        config = None
+    elif isinstance(config, str):
+        config = load_config(config, overrides)
+    elif overrides:
+        config = config.with_overrides(overrides)
+    return run_training(config, run_dir, vocab_path=vocab, resume=resume,
+                        overrides=overrides if resume else None, device=device,
+                        progress=progress, init_from=init_from)
 
 
 def load_split(data: Any, split: str) -> ParallelCorpus | None:
     """The ``split`` ("train", "valid" or "test") pairs described by a DataConfig (the first
     ``train_limit`` training pairs when set), under its ``preprocess`` mode; None when a
     ``files`` config names no such files."""
-    corpus = _load_raw_split(data, split)
+    corpus = load_raw_split(data, split)
     if corpus is None:
         return None
     if split == "train" and data.train_limit:  # before preprocessing: only what is used
@@ -35,7 +88,9 @@ def load_split(data: Any, split: str) -> ParallelCorpus | None:
     return preprocess_corpus(corpus, data.src_lang, data.tgt_lang, data.preprocess)
 
 
-def _load_raw_split(data: Any, split: str) -> ParallelCorpus | None:
+def load_raw_split(data: Any, split: str) -> ParallelCorpus | None:
+    """The ``split`` pairs as distributed, before ``data.preprocess`` (what a user's file
+    holds; :class:`aiayn.Translator` preprocesses such text itself)."""
     if data.dataset == "files":
         src, tgt = {"train": (data.train_src, data.train_tgt),
                     "valid": (data.valid_src, data.valid_tgt)}.get(split, (None, None))
@@ -54,6 +109,44 @@ def _load_raw_split(data: Any, split: str) -> ParallelCorpus | None:
 
 # model fields a resumed run may change: they do not alter the shape or meaning of the weights
 RESUMABLE_MODEL_FIELDS = ("P_drop", "attention_dropout", "word_dropout")
+
+
+def _initial_model(path: str | Path, config: Config, device: torch.device, log: Any):
+    """(model, config, vocabulary) to fine-tune from ``path``: its weights, architecture,
+    vocabulary, text and decode settings, with ``config``'s dropout, data and training.
+
+    Raises:
+        UserError: ``path`` does not load as one model; BPE-dropout with a vocabulary that
+            has no BPE merges to drop.
+    """
+    import dataclasses
+
+    from aiayn.translator import Translator
+
+    translator = Translator.from_pretrained(path, device=device, precision="fp32")
+    if len(translator.models) != 1:
+        raise UserError(f"--init-from {path}: an ensemble of {len(translator.models)}; "
+                        "fine-tuning starts from one model (name one member's checkpoint)")
+    source = translator.config
+    dropout = {k: getattr(config.model, k) for k in RESUMABLE_MODEL_FIELDS}
+    model_cfg = dataclasses.replace(source.model, **dropout)
+    from aiayn.model import Transformer
+
+    model = Transformer(model_cfg).to(device)  # this run's dropout, the model's weights
+    model.load_state_dict(translator.models[0].state_dict())
+    data = config.data
+    if data.preprocess != source.data.preprocess:
+        log(f"aiayn train: --init-from {path} reads data.preprocess = "
+            f"{source.data.preprocess!r} text: the training data is read that way too")
+        data = dataclasses.replace(data, preprocess=source.data.preprocess)
+    if data.bpe_dropout > 0 and not hasattr(translator.vocab, "tokenizer"):
+        raise UserError(f"--init-from {path}: its vocabulary is not aiayn's BPE, so "
+                        "data.bpe_dropout cannot apply; set data.bpe_dropout=0")
+    log(f"aiayn train: starting from the weights of {translator.source[0]} (architecture, "
+        f"vocabulary of {len(translator.vocab)} and decode settings from it; a fresh optimizer "
+        "and schedule)")
+    return model, config.replace(model=model_cfg, data=data, decode=source.decode), \
+        translator.vocab
 
 
 def check_resume_overrides(saved: Config, resumed: Config, run_dir: Path) -> None:
@@ -100,9 +193,16 @@ def run_training(
     overrides: list[str] | None = None,
     device: str | None = None,
     progress: bool = True,
-    log: Any = print,
+    log: Any = None,
+    init_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train ``config`` into ``run_dir`` (or resume the run there) and return the summary.
+
+    With ``init_from`` (a checkpoint, a run directory or a Hugging Face Marian directory:
+    whatever :meth:`aiayn.Translator.from_pretrained` loads as one model), training starts
+    from that model's weights and vocabulary, with a fresh optimizer and schedule (fine-tuning):
+    the architecture, ``data.preprocess`` and decode settings are the model's; dropout, data
+    and training settings are ``config``'s.
 
     Without ``vocab_path`` a vocabulary of ``data.vocab_size`` is learned from the training
     pairs; ``model.vocab_size`` is then set to its real size. Everything is checked before
@@ -114,10 +214,12 @@ def run_training(
             file, a resume that changes the model's shape, no usable training pair, a device
             this machine lacks.
     """
+    log = log or logger.info
     run_dir = Path(run_dir)
     info = DistInfo.from_env()
     dev = choose_device(device, info.local_rank)
     check_output_dir(run_dir, "--run-dir")
+    prepare_training_process(dev)
     init_distributed(dev)  # the one place a process group is joined
     if info.is_main and run_dir.is_dir():
         for line in recover_run_dir(run_dir):
@@ -140,6 +242,9 @@ def run_training(
         raise UserError(f"{run_dir} already holds checkpoints: add --resume to continue that "
                         "run, or choose another --run-dir")
     assert config is not None
+    start_model = None
+    if init_from is not None and not resume:
+        start_model, config, vocab = _initial_model(init_from, config, dev, log)
     train_corpus = load_split(config.data, "train")  # train_limit already applied
     if len(train_corpus) == 0:
         _check_trainable([], train_corpus, config.data)
@@ -156,6 +261,7 @@ def run_training(
                 vocab.save(run_dir)
             dist.barrier()
             vocab = Vocabulary.load(run_dir)
+    if start_model is None and not resume:
         model_cfg = config.model.__class__(**{**config.model.__dict__,
                                               "vocab_size": len(vocab), "tgt_vocab_size": None})
         config = config.replace(model=model_cfg)
@@ -163,7 +269,7 @@ def run_training(
     _check_trainable(train, train_corpus, config.data)
     valid_enc = encode_corpus(vocab, valid_corpus, config.data.max_len) if valid_corpus else None
     trainer = Trainer(config, run_dir, vocab, train, valid_corpus, valid_enc, dev,
-                      progress=progress, train_text=train_corpus)
+                      progress=progress, train_text=train_corpus, model=start_model)
     if resume_from is not None:
         trainer.resume(resume_from)
     if info.is_main:  # validated and restored: only now is anything written

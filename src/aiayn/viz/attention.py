@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from aiayn.data.vocab import BOS, BOS_ID, EOS, EOS_ID, Vocabulary
+from aiayn.data.vocab import BOS, EOS, EOS_ID, Vocabulary
 
 KINDS = ("encoder", "decoder", "cross")
 
@@ -157,43 +157,42 @@ def attention_maps(
     source: str,
     target: str | None = None,
     *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    max_len_a: float = 1.0,
-    max_len_b: int = 50,
+    out_ids: list[int] | None = None,
+    score: float | None = None,
 ) -> AttentionMaps:
-    """The attention of ``model`` translating ``source``, every layer and head.
+    """The attention of ``model`` reading ``source`` and writing a target, every layer and
+    head, with the target forced (teacher forcing). :meth:`aiayn.Translator.attention` is the
+    entry point for raw text: it preprocesses, and searches when no target is given.
 
     Args:
         model: a :class:`~aiayn.model.Transformer`; run in eval mode (its mode is restored).
-        source: one sentence.
-        target: the translation to force (teacher forcing); None: the model's own beam-search
-            output with ``beam_size``, ``alpha``, ``max_len_a`` and ``max_len_b`` (§6.1).
+        source: one sentence, as the model reads it.
+        target: the translation to force, as the model writes it; or None with ``out_ids``.
+        out_ids: the target as token ids ending in EOS (the model's own output, with its
+            search ``score``).
 
     Raises:
         ValueError: an empty source or target, or one longer than the model's ``max_len``.
     """
-    from aiayn.decoding.translate import encode_sources, translate_nbest
+    from aiayn.decoding.translate import encode_sources
 
     if not source.strip():
         raise ValueError("the source sentence is empty")
     max_len = model.config.max_len
     src_ids = encode_sources(vocab, [source], max_len, long_inputs="error")[0]
-    score = None
-    if target is None:
-        best = translate_nbest(model, vocab, [source], beam_size=beam_size, alpha=alpha,
-                               max_len_a=max_len_a, max_len_b=max_len_b, long_inputs="error")
-        out_ids, score = best[0][0].tokens, best[0][0].score
-    else:
+    if target is not None:
         if not target.strip():
             raise ValueError("the forced target sentence is empty")
-        out_ids = vocab.encode(target) + [EOS_ID]
+        out_ids, score = vocab.encode(target) + [EOS_ID], None
         if len(out_ids) > max_len:
             raise ValueError(f"the target has {len(out_ids)} tokens with </s>, more than the "
                              f"model's max_len={max_len}")
+    elif out_ids is None:
+        raise ValueError("attention_maps needs a target or out_ids")
     device = next(model.parameters()).device
     src = torch.tensor([src_ids], device=device)  # (1, S)
-    tgt_in = torch.tensor([[BOS_ID] + out_ids[:-1]], device=device)  # (1, T)
+    start = model.config.decoder_start_id  # the model's start token (BOS; Marian: pad)
+    tgt_in = torch.tensor([[start] + out_ids[:-1]], device=device)  # (1, T)
     was_training = model.training
     model.eval()
     try:
@@ -207,7 +206,7 @@ def attention_maps(
     target_tokens = [id_to_token(i) for i in out_ids]
     return AttentionMaps(
         source_tokens=source_tokens,
-        target_inputs=[BOS] + target_tokens[:-1],
+        target_inputs=[id_to_token(start) or BOS] + target_tokens[:-1],
         target_outputs=target_tokens[:-1] + [EOS],
         encoder=stack("encoder"), decoder=stack("decoder"), cross=stack("cross"),
         target_text=vocab.decode(out_ids), forced=target is not None, score=score)

@@ -1,0 +1,473 @@
+"""The one object between raw text and a trained model: :class:`Translator`.
+
+A :class:`Translator` holds one model or an ensemble, its vocabulary, the text its model was
+trained on (``data.preprocess``), its decode defaults, its device and its precision. Every
+command that turns raw text into translations goes through it: ``aiayn translate``,
+``evaluate``, ``attention``, ``serve``, the pipeline, validation during training and Table 3.
+
+``Translator.from_pretrained`` loads:
+
+- a checkpoint directory (``model.safetensors``, ``config.json``, ``tokenizer.json``), or the
+  ``model.safetensors`` file in one;
+- a finished run directory: the members, averaging and length penalty that the pipeline chose
+  on the validation set, recorded in ``RUN/generation_config.json`` (:data:`GENERATION_CONFIG`);
+- a run directory without that record (a run of ``aiayn train``, or one still training): its
+  averaged, best or newest checkpoint (an ensemble's: each member's), and says which;
+- a list of any of these: an ensemble, whose next-token probabilities are averaged;
+- a Hugging Face Marian (OPUS-MT) directory, converted on load (:mod:`aiayn.interop.marian`).
+
+Example::
+
+    from aiayn import Translator
+
+    translator = Translator.from_pretrained("runs/multi30k-en-de")
+    translator.translate(["A man rides a bike."])       # ['ein mann fährt fahrrad .']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiayn.config import Config, DecodeConfig
+from aiayn.errors import UserError
+
+__all__ = ["GENERATION_CONFIG", "Translator", "read_generation_config",
+           "write_generation_config"]
+
+GENERATION_CONFIG = "generation_config.json"
+"""The file in a run directory that makes it a model: which checkpoints decode together and
+with which search settings, as chosen on the validation set (after Hugging Face's
+``generation_config.json``)."""
+
+GENERATION_FORMAT = "aiayn-generation/1"
+_DECODE_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
+
+logger = logging.getLogger("aiayn")
+
+
+def write_generation_config(run_dir: str | Path, members: Sequence[str | Path],
+                            decode: DecodeConfig, **chosen: Any) -> Path:
+    """Record in ``run_dir`` what decodes as its model (atomically).
+
+    Args:
+        members: checkpoint directories inside ``run_dir`` (or relative to it).
+        decode: the search settings chosen (beam size, alpha, lengths, rules).
+        chosen: more to record, e.g. ``weights`` (the averaging width or "ema"), ``valid_bleu``
+            and its ``protocol``.
+
+    Returns:
+        The file written, ``run_dir / GENERATION_CONFIG``.
+
+    Raises:
+        ValueError: a member outside ``run_dir``.
+    """
+    from aiayn.fileio import write_json_atomic
+
+    run_dir = Path(run_dir)
+    names = []
+    for m in members:
+        m = Path(m)
+        try:  # a path inside run_dir (as given, or relative to it)
+            names.append(str((m if m.exists() else run_dir / m).resolve()
+                             .relative_to(run_dir.resolve())))
+        except ValueError:
+            raise ValueError(f"{m} is not inside {run_dir}: a run directory's model is made "
+                             "of its own checkpoints") from None
+    data = {"format": GENERATION_FORMAT, "members": names, "decode": dataclasses.asdict(decode),
+            **chosen}
+    path = run_dir / GENERATION_CONFIG
+    write_json_atomic(path, data)
+    return path
+
+
+def read_generation_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """``run_dir``'s :data:`GENERATION_CONFIG`, checked (None when there is none).
+
+    Raises:
+        UserError: the file is not such a record, or names a member that is not a checkpoint.
+    """
+    from aiayn.checkpoint import is_checkpoint
+    from aiayn.config import read_json_object
+
+    path = Path(run_dir) / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    data = read_json_object(path)
+    if data.get("format") != GENERATION_FORMAT:
+        raise UserError(f"{path}: not an aiayn generation record (format "
+                        f"{data.get('format')!r}, want {GENERATION_FORMAT!r})")
+    members = data.get("members")
+    if not isinstance(members, list) or not members or \
+            not all(isinstance(m, str) for m in members):
+        raise UserError(f"{path}: 'members' must be a non-empty list of checkpoint folders")
+    for m in members:
+        if not is_checkpoint(Path(run_dir) / m):
+            raise UserError(f"{path}: member {m!r} is not a checkpoint in {run_dir}")
+    decode = data.get("decode", {})
+    unknown = sorted(set(decode) - set(_DECODE_FIELDS)) if isinstance(decode, dict) else None
+    if unknown is None or unknown:
+        raise UserError(f"{path}: 'decode' must be an object of {', '.join(_DECODE_FIELDS)}"
+                        + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
+    try:
+        data["decode"] = DecodeConfig(**decode)
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{path}: {err}") from None
+    return data
+
+
+def _is_marian(path: Path) -> bool:
+    if not (path / "config.json").is_file() or (path / "tokenizer.json").is_file():
+        return False
+    try:
+        return json.loads((path / "config.json").read_text("utf-8")).get("model_type") == "marian"
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+def _resolve(path: Path, say: Callable[[str], None]) -> tuple[list[Path | str], dict]:
+    """What ``path`` decodes as: (checkpoint folders, or ``"marian:DIR"``; the generation
+    record or {}).
+
+    Raises:
+        UserError: nothing loadable there.
+    """
+    from aiayn.checkpoint import WEIGHTS, is_checkpoint, list_checkpoints
+    from aiayn.training.ensemble import member_dirs, members_found
+
+    if path.is_file() and path.name == WEIGHTS:
+        path = path.parent
+    if not path.exists():
+        raise UserError(f"{path}: no such file or directory (expected a checkpoint, a run "
+                        "directory or a Hugging Face Marian directory)")
+    if is_checkpoint(path):
+        return [path], {}
+    if path.is_dir() and _is_marian(path):
+        return [f"marian:{path}"], {}
+    record = read_generation_config(path) if path.is_dir() else None
+    if record is not None:
+        return [path / m for m in record["members"]], record
+    n = members_found(path) if path.is_dir() else 0
+    runs = member_dirs(path, n) if n else [path]
+    found: list[Path | str] = []
+    for run in runs:
+        done = (run / "train_summary.json").is_file()
+        named = [run / name for name in ("averaged", "best") if is_checkpoint(run / name)]
+        steps = list_checkpoints(run)
+        if done and named:
+            found.append(named[0])
+        elif steps:
+            found.append(steps[-1])
+            say(f"{run}: " + ("training has not finished" if not done else
+                              "no averaged or best checkpoint") +
+                f"; loading its newest checkpoint, {steps[-1].name}")
+        elif named:
+            found.append(named[0])
+        else:
+            raise UserError(
+                f"{path}: not a checkpoint, a run directory or a Hugging Face Marian directory "
+                f"(expected model.safetensors, config.json and tokenizer.json, or a run's "
+                f"checkpoints/ folder, or a Marian config.json with source.spm)")
+    if n:
+        say(f"{path}: no {GENERATION_CONFIG} (the pipeline writes it when it has chosen on "
+            f"the validation set); decoding its {n} members as found, with their config's "
+            "search settings")
+    return found, {}
+
+
+class Translator:
+    """Raw text in, a model (or an ensemble), text out.
+
+    It owns the raw-text contract: input lines are preprocessed as the model's training text
+    was (``data.preprocess``, :func:`aiayn.data.text.model_text`), decoded with the model's
+    own decode defaults (:attr:`decode_config`: beam size, alpha, lengths, ``beam_rules``)
+    from the model's start token (``model.decoder_start_id``), on :attr:`device` at
+    :attr:`precision`.
+
+    Args:
+        models: a :class:`~aiayn.model.Transformer` or a list of them (an ensemble: one
+            vocabulary, one kind of text); moved to ``device`` and put in eval mode.
+        vocab: the shared vocabulary.
+        config: the (first) model's run :class:`~aiayn.config.Config` (its ``data.preprocess``,
+            ``decode`` and ``train.precision`` matter here); default: the model's own
+            ``ModelConfig`` with default settings elsewhere (raw text, §6.1's search).
+        decode: the decode defaults (default: ``config.decode``).
+        device: a torch device name (default: where the first model is).
+        precision: "fp32", "bf16" or "auto" (default: fp32 for a model trained with
+            ``train.precision = "fp32"``, else auto: bf16 where a short probe finds it faster
+            on this machine, :func:`aiayn.precision.choose_precision`).
+        source: where the models came from (paths), for messages and ``aiayn serve``'s /info.
+        warn: receives warnings about the input (default: the ``aiayn`` logger).
+
+    Raises:
+        ValueError: an empty ensemble; members with different output vocabularies or start
+            tokens.
+    """
+
+    def __init__(self, models, vocab, *, config: Config | None = None,
+                 decode: DecodeConfig | None = None,
+                 device: str | torch.device | None = None, precision: str | None = None,
+                 source: list[str] | None = None,
+                 warn: Callable[[str], None] | None = None) -> None:
+        from aiayn.devices import choose_device
+        from aiayn.precision import choose_precision, default_decoding_precision
+
+        models = list(models) if isinstance(models, (list, tuple)) else [models]
+        if not models:
+            raise ValueError("Translator needs at least one model")
+        sizes = sorted({m.tgt_embed.weight.shape[0] for m in models})
+        if len(sizes) > 1:
+            raise ValueError(f"ensemble members have different output vocabularies ({sizes} "
+                             "tokens); an ensemble needs models trained on one vocabulary")
+        starts = sorted({m.config.decoder_start_id for m in models})
+        if len(starts) > 1:
+            raise ValueError(f"ensemble members start decoding from different tokens {starts}")
+        self.device = choose_device(device) if device is not None else \
+            next(models[0].parameters()).device
+        self.models = [m.to(self.device) for m in models]  # decoded in eval mode, mode kept
+        self.config = config or Config(name="in-memory", model=models[0].config)
+        config = self.config
+        self.vocab = vocab
+        self.source = source or []
+        self._decode = decode or config.decode
+        self.warn = warn or logger.warning
+        requested = precision or default_decoding_precision(config.train.precision)
+        self.precision = choose_precision(requested, self.device, config.model, training=False)
+
+    # --- loading --------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path | Sequence[str | Path], *,
+                        device: str | torch.device | None = None, precision: str | None = None,
+                        warn: Callable[[str], None] | None = None) -> Translator:
+        """Load a checkpoint, a run directory (single or ensemble), a list of them (an
+        ensemble) or a Hugging Face Marian directory; see the module's docstring.
+
+        Args:
+            device: "cpu", "cuda" or "cuda:N" (default: cuda when there is one, else cpu).
+            precision: see :class:`Translator`.
+            warn: receives what loading should say (a run whose training has not finished
+                loads its newest checkpoint); default: the ``aiayn`` logger.
+
+        Raises:
+            UserError: a path that is none of these (naming it and what was expected);
+                ensemble members with different vocabularies or kinds of text (naming them);
+                weights that do not fit their config.
+        """
+        from aiayn.checkpoint import load_checkpoint
+        from aiayn.devices import choose_device
+
+        say = warn or logger.warning
+        paths = [path] if isinstance(path, (str, Path)) else list(path)
+        if not paths:
+            raise UserError("Translator.from_pretrained: no path given")
+        dev = choose_device(device)
+        found: list[Path | str] = []
+        record: dict = {}
+        for p in paths:
+            members, rec = _resolve(Path(p), say)
+            found += members
+            record = record or rec
+        loaded = []
+        for f in found:
+            if isinstance(f, str) and f.startswith("marian:"):
+                from aiayn.interop.marian import import_hf
+
+                model, config, vocab = import_hf(f.removeprefix("marian:"))
+                loaded.append((model.to(dev), config, vocab))
+            else:
+                loaded.append(load_checkpoint(f, device=dev))
+        _, config, vocab = loaded[0]
+        for f, (_, other, other_vocab) in zip(found[1:], loaded[1:]):
+            if other_vocab.fingerprint != vocab.fingerprint:
+                raise UserError(f"{f}: its vocabulary differs from {found[0]}'s; an ensemble "
+                                "needs models trained on one vocabulary")
+            if other.data.preprocess != config.data.preprocess:
+                raise UserError(f"{f}: it reads data.preprocess = {other.data.preprocess!r} "
+                                f"text, {found[0]} {config.data.preprocess!r}; an ensemble "
+                                "needs one kind of text")
+        decode = record.get("decode", config.decode) if record else config.decode
+        return cls([m for m, _, _ in loaded], vocab, config=config, decode=decode, device=dev,
+                   precision=precision, source=[str(f) for f in found], warn=warn)
+
+    # --- what it decodes with ---------------------------------------------------------------
+    @property
+    def decode_config(self) -> DecodeConfig:
+        """The decode defaults: the run's choice on the validation set, else the model's
+        ``config.decode`` (beam size, alpha, ``max_len_a``/``max_len_b``, batch size,
+        ``beam_rules``)."""
+        return self._decode
+
+    @property
+    def decoder_start_id(self) -> int:
+        """The token every decoder input starts with (the model's ``decoder_start_id``)."""
+        return self.models[0].config.decoder_start_id
+
+    def search(self, **overrides: Any) -> DecodeConfig:
+        """:attr:`decode_config` with the given fields replaced (None keeps the default).
+
+        Raises:
+            ValueError: an unknown field or a bad value, naming it.
+        """
+        given = {k: v for k, v in overrides.items() if v is not None}
+        unknown = sorted(set(given) - set(_DECODE_FIELDS))
+        if unknown:
+            raise ValueError(f"unknown decode setting(s): {', '.join(unknown)}")
+        return dataclasses.replace(self._decode, **given) if given else self._decode
+
+    def preprocess(self, lines: list[str], side: str = "src",
+                   warn: Callable[[str], None] | None = None) -> list[str]:
+        """``lines`` as the model reads them (``data.preprocess``; ``side`` "src" or "tgt")."""
+        from aiayn.data.text import model_text
+
+        return model_text(list(lines), self.config.data, side, warn=warn)
+
+    # --- translating -----------------------------------------------------------------------
+    def generate(self, lines: list[str], *, beam_size: int | None = None,
+                 alpha: float | None = None, max_len_a: float | None = None,
+                 max_len_b: int | None = None, batch_size: int | None = None,
+                 beam_rules: str | None = None, nbest: int = 1, sampling=None, long_inputs: str = "truncate", preprocessed: bool = False,
+                 progress: bool = False, warn: Callable[[str], None] | None = None,
+                 **engine: Any) -> list[list[Any]]:
+        """Translate ``lines``: for each, up to ``nbest``
+        :class:`~aiayn.decoding.Translation` objects (text, score, log_prob, tokens), best
+        first. An empty line gives one empty translation.
+
+        Args:
+            beam_size, alpha, max_len_a, max_len_b, batch_size, beam_rules: override
+                :attr:`decode_config` (§6.1: beam 4, alpha 0.6, input + 50 tokens).
+            nbest: translations per line (needs beam search).
+            sampling: a :class:`~aiayn.decoding.SamplingConfig` to sample instead.
+            long_inputs: "truncate" (with a warning) or "error".
+            preprocessed: the lines are the model's text already (``data.preprocess``
+                applied), as the training corpus is.
+            engine: passed to :func:`aiayn.decoding.translate_nbest` (``fast``,
+                ``use_cache``, ``min_len``: benchmarks).
+
+        Raises:
+            ValueError: bad settings (naming them).
+            aiayn.decoding.InputTooLongError: a long line with ``long_inputs="error"``.
+        """
+        from aiayn.decoding import translate_nbest
+
+        warn = warn or self.warn
+        decode = self.search(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
+                             max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
+        text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
+        return translate_nbest(self.models, self.vocab, text, decode, nbest=nbest,
+                               sampling=sampling, bf16=self.precision.uses_bf16,
+                               long_inputs=long_inputs, warn=warn, progress=progress, **engine)
+
+    def translate(self, lines: list[str], *, nbest: int = 1, **options: Any
+                  ) -> list[str] | list[list[str]]:
+        """The best translation of each line as text, in input order; with ``nbest > 1``, a
+        list of ``nbest`` texts per line. Options as :meth:`generate`."""
+        out = self.generate(lines, nbest=nbest, **options)
+        if nbest == 1:
+            return [t[0].text for t in out]
+        return [[t.text for t in ts] for ts in out]
+
+    # --- scoring and attention --------------------------------------------------------------
+    @torch.inference_mode()
+    def score(self, sources: list[str], targets: list[str], *, preprocessed: bool = False,
+              batch_size: int | None = None) -> list[float]:
+        """log P(target | source) of each pair under the model (natural log, summed over the
+        target's subword tokens and EOS; an ensemble's per-token probability is the mean of
+        its members').
+
+        Raises:
+            ValueError: ``sources`` and ``targets`` of different lengths, an empty target, or
+                a sentence longer than the model's ``max_len``.
+        """
+        import math
+
+        import torch.nn.functional as F
+
+        from aiayn.data.batching import pad_sources
+        from aiayn.data.vocab import EOS_ID, PAD_ID
+        from aiayn.decoding import encode_sources
+
+        if len(sources) != len(targets):
+            raise ValueError(f"score: {len(sources)} sources but {len(targets)} targets")
+        if not preprocessed:
+            sources, targets = self.preprocess(sources), self.preprocess(targets, "tgt")
+        max_len = min(m.config.max_len for m in self.models)
+        src_ids = encode_sources(self.vocab, list(sources), max_len, long_inputs="error")
+        tgt_ids = []
+        for n, t in enumerate(targets, 1):
+            ids = self.vocab.encode(t) + [EOS_ID]
+            if len(ids) == 1:
+                raise ValueError(f"score: target {n} is empty")
+            if len(ids) > max_len:
+                raise ValueError(f"score: target {n} has {len(ids)} tokens with </s>, more "
+                                 f"than the model's max_len={max_len}")
+            tgt_ids.append(ids)
+        out: list[float] = []
+        step = batch_size or self._decode.batch_size
+        for i in range(0, len(src_ids), step):
+            src = pad_sources(src_ids[i:i + step]).to(self.device)  # (B, S)
+            tgt_out = pad_sources(tgt_ids[i:i + step]).to(self.device)  # (B, T)
+            tgt_in = torch.cat([torch.full_like(tgt_out[:, :1], self.decoder_start_id),
+                                tgt_out[:, :-1]], dim=1)
+            with self._autocast(), self._eval():
+                logps = [F.log_softmax(m(src, tgt_in).float(), dim=-1) for m in self.models]
+            logp = logps[0] if len(logps) == 1 else \
+                torch.logsumexp(torch.stack(logps), dim=0) - math.log(len(logps))
+            token = logp.gather(2, tgt_out[:, :, None]).squeeze(2)  # (B, T)
+            out += token.masked_fill(tgt_out == PAD_ID, 0.0).sum(dim=1).tolist()
+        return out
+
+    def attention(self, source: str, target: str | None = None, *,
+                  beam_size: int | None = None, alpha: float | None = None,
+                  max_len_b: int | None = None, preprocessed: bool = False):
+        """Every layer's and head's attention (encoder self, decoder self, cross) for one
+        sentence, as :class:`aiayn.viz.attention.AttentionMaps`: with ``target`` forced, else
+        over the model's own beam-search output (:attr:`decode_config`, overridable). An
+        ensemble shows its first member's attention over the ensemble's output.
+
+        Raises:
+            ValueError: an empty source or target, or one longer than the model's max_len.
+        """
+        from aiayn.viz.attention import attention_maps
+
+        if not preprocessed:
+            source = self.preprocess([source])[0]
+            target = None if target is None else self.preprocess([target], "tgt")[0]
+        out_ids = score = None
+        if target is None:
+            if not source.strip():
+                raise ValueError("the source sentence is empty")
+            best = self.generate([source], beam_size=beam_size, alpha=alpha,
+                                 max_len_b=max_len_b, long_inputs="error", preprocessed=True)
+            out_ids, score = best[0][0].tokens, best[0][0].score
+        with self._autocast():
+            return attention_maps(self.models[0], self.vocab, source, target, out_ids=out_ids,
+                                  score=score)
+
+    @contextlib.contextmanager
+    def _eval(self):
+        """The models in eval mode (no dropout), each put back in the mode it came in."""
+        modes = [m.training for m in self.models]
+        try:
+            for m in self.models:
+                m.eval()
+            yield
+        finally:
+            for m, mode in zip(self.models, modes):
+                m.train(mode)
+
+    def _autocast(self):
+        if self.precision.uses_bf16:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def __repr__(self) -> str:
+        what = f"an ensemble of {len(self.models)}" if len(self.models) > 1 else "one model"
+        return (f"Translator({what}, {self.source or 'in memory'}, device={self.device}, "
+                f"precision={self.precision.chosen}, decode={self._decode})")
