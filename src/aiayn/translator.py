@@ -294,7 +294,8 @@ class Translator:
                                 "needs one kind of text")
         decode = record.get("decode", config.decode) if record else config.decode
         return cls([m for m, _, _ in loaded], vocab, config=config, decode=decode, device=dev,
-                   precision=precision, source=[str(f) for f in found], warn=warn)
+                   precision=precision, source=[str(f).removeprefix("marian:") for f in found],
+                   warn=warn)
 
     # --- what it decodes with ---------------------------------------------------------------
     @property

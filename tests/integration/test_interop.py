@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -95,9 +96,9 @@ def test_search_is_token_identical_to_generate(marian, sources, beams):
     directory, hf, tok = marian
     model, config, vocab = import_hf(directory)
     out, texts = _generate(hf, tok, sources, beams)
-    got = Translator(model, vocab, precision="fp32").generate(sources, beam_size=beams, alpha=0.0, max_len_a=0.0,
-                          max_len_b=MAX_LENGTH - 2, batch_size=16,
-                          beam_rules=config.decode.beam_rules)
+    got = Translator(model, vocab, precision="fp32").generate(
+        sources, beam_size=beams, alpha=0.0, max_len_a=0.0, max_len_b=MAX_LENGTH - 2,
+        batch_size=16, beam_rules=config.decode.beam_rules)
     for row, hf_text, mine in zip(out.tolist(), texts, got):
         assert _marian_ids(vocab, mine[0].tokens, True) == _pieces_of(tok, row[1:])
         assert mine[0].text == hf_text
@@ -150,3 +151,51 @@ def test_ctranslate2_export_decodes_to_the_same_tokens(marian, sources, tmp_path
         for row, r in zip(out.tolist(), results):
             want = [p for p in _pieces_of(tok, row[1:]) if p != "</s>"]
             assert r.hypotheses[0] == want
+
+
+def test_fine_tuning_a_converted_marian_model(marian, corpus, sources, tmp_path):
+    """``aiayn train --init-from`` a Hugging Face Marian directory: training starts from its
+    weights, vocabulary and start token (pad), the loss falls, and the result exports back to
+    Hugging Face, where ``generate`` gives the Translator's tokens."""
+    from transformers import MarianMTModel, MarianTokenizer
+
+    directory, hf, tok = marian
+    src, tgt = corpus
+    files = {}
+    for name, lines in (("train.en", src[:400]), ("train.de", tgt[:400]),
+                        ("valid.en", src[1400:1430]), ("valid.de", tgt[1400:1430])):
+        files[name] = tmp_path / name
+        files[name].write_text("\n".join(lines) + "\n", encoding="utf-8")
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--init-from", str(directory), "--run-dir",
+                 str(run), "--no-progress", "--set", "data.dataset=files",
+                 "--set", f"data.train_src={files['train.en']}",
+                 "--set", f"data.train_tgt={files['train.de']}",
+                 "--set", f"data.valid_src={files['valid.en']}",
+                 "--set", f"data.valid_tgt={files['valid.de']}",
+                 "--set", "train.max_steps=60", "--set", "train.warmup_steps=20",
+                 "--set", "train.checkpoint_every_steps=60",
+                 "--set", "train.eval_every_steps=60",
+                 "--set", "train.eval_bleu_sentences=0", "--set", "train.log_every_steps=5",
+                 "--set", "model.P_drop=0.1"]) == 0
+    saved = json.loads((run / "config.json").read_text(encoding="utf-8"))
+    # the architecture, start token and search are the Marian model's; dropout is this run's
+    assert saved["model"]["decoder_start_id"] == 0 and saved["model"]["d_model"] == 32
+    assert saved["model"]["P_drop"] == 0.1 and saved["decode"]["beam_rules"] == "hf"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert sum(losses[-3:]) < 0.9 * sum(losses[:3]), losses
+
+    translator = Translator.from_pretrained(run, precision="fp32")
+    assert translator.decoder_start_id == 0
+    ours = translator.generate(sources, beam_size=4, alpha=0.0, max_len_a=0.0,
+                               max_len_b=MAX_LENGTH - 2, batch_size=16)
+    back = tmp_path / "hf"
+    assert main(["convert", "--to", "hf", translator.source[0], "-o", str(back)]) == 0
+    hf2, tok2 = MarianMTModel.from_pretrained(back).eval(), MarianTokenizer.from_pretrained(back)
+    out, texts = _generate(hf2, tok2, sources, 4)
+    for row, hf_text, mine in zip(out.tolist(), texts, ours):
+        assert _marian_ids(translator.vocab, mine[0].tokens, True) == _pieces_of(tok2, row[1:])
+        assert mine[0].text == hf_text
+    # fine-tuning changed the function: the original model answers otherwise somewhere
+    assert texts != _generate(hf, tok, sources, 4)[1]

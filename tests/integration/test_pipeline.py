@@ -8,6 +8,7 @@ import gzip
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from aiayn.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 pytestmark = pytest.mark.slow  # whole pipelines: 4-46 s each (`-m "not slow"` leaves them out)
 
@@ -130,6 +133,7 @@ def test_pipeline_trains_and_decodes_an_ensemble(tmp_path: Path, capsys) -> None
     assert weights[0] != weights[1]  # two seeds, two models
     hyps = (run_dir / "test.hyp.de").read_text(encoding="utf-8").split("\n")
     assert len(hyps) - 1 == 1000 and 0.0 <= results["multi30k_tok_bleu"] <= 100.0
+    assert_the_run_is_the_model_it_reports(run_dir, results, tmp_path, capsys)
 
     # a resume must say it is an ensemble's, and then finds both members finished
     assert main(job + ["--resume", "--ensemble", "1"]) == 2
@@ -214,3 +218,48 @@ def _interrupted_once(ready, job: list[str]) -> int:
     code = main(job)
     watcher.join()
     return code
+
+
+def readme_python() -> str:
+    """The README's Python example: the first ```python block under "## Python"."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Python", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def assert_the_run_is_the_model_it_reports(run_dir: Path, results: dict, tmp_path: Path,
+                                           capsys) -> None:
+    """A finished run directory loads as the model whose test output the job wrote:
+    ``aiayn translate --checkpoint RUN``, the README's Python example and ``aiayn serve
+    --checkpoint RUN`` give ``test.hyp.de`` line for line."""
+    import httpx
+    from serving import serve_in_thread
+
+    from aiayn.serve import create_app
+    from aiayn.translator import Translator
+
+    record = json.loads((run_dir / "generation_config.json").read_text(encoding="utf-8"))
+    weights = "ema" if results["weights"] == "ema" else "averaged"
+    assert record["members"] == [f"member-{k}/{weights}" for k in (1, 2)]
+    assert record["decode"]["alpha"] == results["alpha"]
+    assert record["decode"]["beam_size"] == results["beam_size"]
+    hyps = (run_dir / "test.hyp.de").read_text(encoding="utf-8").splitlines()
+    data = Path(os.environ["AIAYN_DATA_DIR"]) / "multi30k" / "test_2016_flickr.en.gz"
+
+    out = tmp_path / "cli.de"
+    assert main(["translate", "--checkpoint", str(run_dir), "-i", str(data), "-o", str(out),
+                 "--quiet"]) == 0
+    assert out.read_text(encoding="utf-8").splitlines() == hyps
+
+    namespace: dict = {}
+    code = readme_python().replace("runs/multi30k-en-de", str(run_dir))
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+    capsys.readouterr()
+    assert namespace["hyps"] == hyps
+
+    with gzip.open(data, "rt", encoding="utf-8") as f:
+        lines = f.read().splitlines()[:32]
+    with serve_in_thread(create_app(Translator.from_pretrained(run_dir))) as base:
+        r = httpx.post(base + "/translate", json={"lines": lines}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [t[0]["text"] for t in r.json()["translations"]] == hyps[:32]

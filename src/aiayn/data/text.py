@@ -9,8 +9,8 @@
   line for line, so outputs are scored against them directly (sacreBLEU with
   ``tokenize='none'``). Outputs stay lowercased and tokenized.
 
-A model trained on preprocessed text records the mode in its ``config.json``; ``aiayn
-translate``, ``evaluate``, ``attention`` and ``serve`` apply it to their input the same way
+A model trained on preprocessed text records the mode in its ``config.json``;
+:class:`aiayn.Translator`, through which every command reads raw text, applies it to its input
 (:func:`model_text`).
 """
 
@@ -71,8 +71,8 @@ def tokenized_input_warning(lines: list[str], data: "DataConfig") -> str | None:
 def model_text(lines: list[str], data: "DataConfig", side: str = "src",
                warn: Callable[[str], None] | None = None) -> list[str]:
     """``lines`` as a model trained under ``data`` reads them: its ``data.preprocess`` applied
-    with the language of ``side`` ("src" or "tgt", e.g. a forced target). Every entry point that
-    feeds raw text to a checkpoint (translate, evaluate, attention, serve) goes through here.
+    with the language of ``side`` ("src" or "tgt", e.g. a forced target). :meth:`aiayn.Translator.
+    preprocess`, the one entry point that feeds raw text to a model, calls it.
 
     With ``warn``, :func:`tokenized_input_warning` is passed to it, once, when the lines look
     tokenized already. They are still translated.

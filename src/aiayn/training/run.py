@@ -139,6 +139,10 @@ def _initial_model(path: str | Path, config: Config, device: torch.device, log: 
         log(f"aiayn train: --init-from {path} reads data.preprocess = "
             f"{source.data.preprocess!r} text: the training data is read that way too")
         data = dataclasses.replace(data, preprocess=source.data.preprocess)
+    if data.max_len > model_cfg.max_len:  # pairs longer than its positional table are dropped
+        log(f"aiayn train: --init-from {path} holds {model_cfg.max_len} positions: training "
+            f"pairs over {model_cfg.max_len} tokens are dropped (data.max_len)")
+        data = dataclasses.replace(data, max_len=model_cfg.max_len)
     if data.bpe_dropout > 0 and not hasattr(translator.vocab, "tokenizer"):
         raise UserError(f"--init-from {path}: its vocabulary is not aiayn's BPE, so "
                         "data.bpe_dropout cannot apply; set data.bpe_dropout=0")
