@@ -333,7 +333,8 @@ class Translator:
     def generate(self, lines: list[str], *, beam_size: int | None = None,
                  alpha: float | None = None, max_len_a: float | None = None,
                  max_len_b: int | None = None, batch_size: int | None = None,
-                 beam_rules: str | None = None, nbest: int = 1, sampling=None, long_inputs: str = "truncate", preprocessed: bool = False,
+                 beam_rules: str | None = None, nbest: int = 1, sampling=None,
+                 long_inputs: str = "truncate", preprocessed: bool = False,
                  progress: bool = False, warn: Callable[[str], None] | None = None,
                  **engine: Any) -> list[list[Any]]:
         """Translate ``lines``: for each, up to ``nbest``

@@ -1,7 +1,8 @@
 """``aiayn serve``'s JSON API over real HTTP (uvicorn on 127.0.0.1, httpx as the client), on a
 tiny random-weight checkpoint: every status code it answers (200, 404, 405, 413, 422, 429,
 503), that concurrent requests share a batch, that answers equal a ``Translator``'s
-``generate`` and ``attention`` called directly, and that SIGTERM lets the request in flight finish."""
+``generate`` and ``attention`` called directly, and that SIGTERM lets the request in flight
+finish."""
 
 from __future__ import annotations
 

@@ -392,8 +392,8 @@ def test_tiny_model_learns_to_copy(tmp_path: Path) -> None:
     exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
     # an untrained model copies no sentence (the baseline, measured here); 0.7 leaves a margin
     # under the 0.9 this test long asserted
-    untrained = Translator(Transformer(model.config).eval(), vocab, precision="fp32").translate(src, beam_size=1,
-                                max_len_b=10)
+    untrained = Translator(Transformer(model.config).eval(), vocab, precision="fp32").translate(
+        src, beam_size=1, max_len_b=10)
     assert sum(h == r for h, r in zip(untrained, ref)) / len(ref) < 0.1
     assert exact >= 0.7, [(h, r) for h, r in zip(hyps, ref) if h != r][:5]
 
@@ -417,7 +417,8 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
     baseline, _, every_vocab = load_checkpoint(list_checkpoints(tmp_path / "all")[-1])
     src = (tmp_path / "valid.src").read_text().splitlines()
     ref = (tmp_path / "valid.tgt").read_text().splitlines()
-    every_hyps = Translator(baseline, every_vocab, precision="fp32").translate(src, beam_size=2, max_len_b=10)
+    every_hyps = Translator(baseline, every_vocab, precision="fp32").translate(
+        src, beam_size=2, max_len_b=10)
     every_exact = sum(h == r for h, r in zip(every_hyps, ref)) / len(ref)
     average_checkpoints(list_checkpoints(tmp_path / "run")[-2:], tmp_path / "avg")
     for path in (list_checkpoints(tmp_path / "run")[-1], tmp_path / "avg"):

@@ -347,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps"
           + (" (all members)" if members else "") + "; "
           f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, "
-          f"{png.name}, "
-          f"{hyp_path.name})")
+          f"{png.name}, {hyp_path.name}, generation_config.json)")
+    print(f"  the run loads as this model: aiayn translate --checkpoint {run_dir}, "
+          f"aiayn serve --checkpoint {run_dir}, Translator.from_pretrained({str(run_dir)!r})")
     return 0

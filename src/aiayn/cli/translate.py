@@ -13,10 +13,12 @@ HELP = ("Translate text line by line with a checkpoint (beam search as §6.1 by 
 def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool = True) -> None:
     """Options shared by ``translate`` and ``evaluate`` (defaults: the checkpoint's config)."""
     p.add_argument("--checkpoint", required=checkpoint_required, nargs="+", metavar="PATH",
-                   help="checkpoint directory (or a run directory: its averaged, best or "
-                        "newest checkpoint); several make an ensemble, whose next-token "
-                        "probabilities are averaged (they must share one vocabulary); the "
-                        "first one's config gives the decoding defaults")
+                   help="checkpoint directory; or a run directory: the model its pipeline "
+                        "chose on the validation set (members, averaging, alpha: "
+                        "RUN/generation_config.json), else its averaged, best or newest "
+                        "checkpoint; or a Hugging Face Marian directory. Several make an "
+                        "ensemble, whose next-token probabilities are averaged (one "
+                        "vocabulary); the first one's settings give the decoding defaults")
     p.add_argument("--beam", type=int, default=None, metavar="K",
                    help="beam size; 1 = greedy (default: the checkpoint's decode.beam_size, "
                         "4 as in §6.1)")

@@ -20,7 +20,8 @@ from aiayn.decoding.translate import (
 )
 
 __all__ = [
-    "CachedStep", "EnsembleStep", "Hypothesis", "InputTooLongError", "SamplingConfig", "StepFunction",
+    "CachedStep", "EnsembleStep", "Hypothesis", "InputTooLongError", "SamplingConfig",
+    "StepFunction",
     "Translation", "UncachedStep", "beam_search", "encode_sources", "greedy_search",
     "length_penalty", "max_output_lengths", "translate_nbest",
 ]
