@@ -60,8 +60,9 @@ def write_generation_config(run_dir: str | Path, members: Sequence[str | Path],
     Args:
         members: checkpoint directories inside ``run_dir`` (or relative to it).
         decode: the search settings chosen (beam size, alpha, lengths, rules).
-        chosen: more to record, e.g. ``weights`` (the averaging width or "ema"), ``valid_bleu``
-            and its ``protocol``.
+        chosen: more to record, e.g. ``precision`` (the decoding precision, "fp32" for output
+            that does not depend on how sentences are batched), ``weights`` (the averaging
+            width or "ema"), ``valid_bleu`` and its ``protocol``.
 
     Returns:
         The file written, ``run_dir / GENERATION_CONFIG``.
@@ -120,6 +121,11 @@ def read_generation_config(run_dir: str | Path) -> dict[str, Any] | None:
         data["decode"] = DecodeConfig(**decode)
     except (TypeError, ValueError) as err:
         raise UserError(f"{path}: {err}") from None
+    from aiayn.precision import DECODE_PRECISIONS
+
+    if data.get("precision", "fp32") not in DECODE_PRECISIONS:
+        raise UserError(f"{path}: precision {data['precision']!r} is not one of "
+                        f"{', '.join(DECODE_PRECISIONS)}")
     return data
 
 
@@ -251,7 +257,8 @@ class Translator:
 
         Args:
             device: "cpu", "cuda" or "cuda:N" (default: cuda when there is one, else cpu).
-            precision: see :class:`Translator`.
+            precision: see :class:`Translator` (default for a finished run: the precision
+                its pipeline decoded with, recorded in :data:`GENERATION_CONFIG`).
             warn: receives what loading should say (a run whose training has not finished
                 loads its newest checkpoint); default: the ``aiayn`` logger.
 
@@ -293,6 +300,7 @@ class Translator:
                                 f"text, {found[0]} {config.data.preprocess!r}; an ensemble "
                                 "needs one kind of text")
         decode = record.get("decode", config.decode) if record else config.decode
+        precision = precision or record.get("precision")  # the run's own, else the model's rule
         return cls([m for m, _, _ in loaded], vocab, config=config, decode=decode, device=dev,
                    precision=precision, source=[str(f).removeprefix("marian:") for f in found],
                    warn=warn)

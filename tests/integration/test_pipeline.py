@@ -243,6 +243,7 @@ def assert_the_run_is_the_model_it_reports(run_dir: Path, results: dict, tmp_pat
     assert record["members"] == [f"member-{k}/{weights}" for k in (1, 2)]
     assert record["decode"]["alpha"] == results["alpha"]
     assert record["decode"]["beam_size"] == results["beam_size"]
+    assert record["precision"] == results["decode_precision"] == "fp32"
     hyps = (run_dir / "test.hyp.de").read_text(encoding="utf-8").splitlines()
     data = Path(os.environ["AIAYN_DATA_DIR"]) / "multi30k" / "test_2016_flickr.en.gz"
 

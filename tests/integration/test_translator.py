@@ -76,12 +76,14 @@ def test_a_finished_run_decodes_as_its_generation_config_says(checkpoint, tmp_pa
     a = _second(checkpoint, run / "member-1" / "averaged", seed=3)
     b = _second(checkpoint, run / "member-2" / "averaged", seed=4)
     chosen = DecodeConfig(beam_size=3, alpha=1.4, max_len_a=0.5, max_len_b=6)
-    path = write_generation_config(run, [a, "member-2/averaged"], chosen, weights="10")
+    path = write_generation_config(run, [a, "member-2/averaged"], chosen, weights="10",
+                                   precision="fp32")
     record = json.loads(path.read_text())
     assert record["members"] == ["member-1/averaged", "member-2/averaged"]
     assert record["decode"]["alpha"] == 1.4 and record["weights"] == "10"
     translator = Translator.from_pretrained(run)
     assert translator.decode_config == chosen and len(translator.models) == 2
+    assert translator.precision.chosen == "fp32"  # the run's recorded decoding precision
     by_hand = Translator.from_pretrained([a, b]).translate(LINES, beam_size=3, alpha=1.4)
     assert translator.translate(LINES) == by_hand
     with pytest.raises(ValueError, match="not inside"):

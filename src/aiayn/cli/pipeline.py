@@ -168,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
     trained = (members[0] if members else summary)["precision"]
     say(f"[1/4] trained at precision {trained['chosen']} ({trained['requested']}: "
         f"{trained['reason']})")
+    # decoded in fp32, and recorded so: a run directory must give its test output line for line
+    # however its sentences are batched (aiayn translate, serve), and bf16 products are not
+    # batch-invariant (on the bf16 class, 12-40 of 1,000 test lines changed with the batch)
+    decode_precision = "fp32"
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
 
@@ -189,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{', '.join(p.name for p in last)}")
             found += last
             paths.append(average_checkpoints(last, run / "averaged"))
-        return found, Translator.from_pretrained(paths, device=device)
+        return found, Translator.from_pretrained(paths, device=device,
+                                                 precision=decode_precision)
 
     def translate(translator: Translator, lines: list[str], alpha: float) -> list[str]:
         """``lines`` of the corpus (the model's text already), beam search with ``alpha``."""
@@ -247,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     chosen = dataclasses.replace(dc, alpha=alpha)
     members_used = translator.source
     write_generation_config(
-        run_dir, members_used, chosen, weights=str(width),
+        run_dir, members_used, chosen, precision=decode_precision, weights=str(width),
         averaged=[str(p.relative_to(run_dir)) for p in found],
         valid_bleu=valid_bleu.get(str(alpha)),
         valid_protocol=("Multi30k protocol (lowercased, tokenized)" if d.dataset == "multi30k"
