@@ -19,6 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from aiayn.errors import ConfigError
+
 PRESET_DIR = resources.files("aiayn") / "configs"
 # train.lr_schedule: name -> what it is (aiayn.training.schedule)
 LR_SCHEDULE_TITLES = {"inverse_sqrt": "§5.3, eq. 3",
@@ -45,27 +47,27 @@ def _positive(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be positive, got {value!r}")
+            raise ConfigError(f"{type(obj).__name__}.{name} must be positive, got {value!r}")
 
 
 def _non_negative(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be >= 0, got {value!r}")
+            raise ConfigError(f"{type(obj).__name__}.{name} must be >= 0, got {value!r}")
 
 
 def _probability(obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be in [0, 1), got {value!r}")
+            raise ConfigError(f"{type(obj).__name__}.{name} must be in [0, 1), got {value!r}")
 
 
 def _choice(obj: Any, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(obj, name)
     if value not in choices:
-        raise ValueError(f"{type(obj).__name__}.{name} must be one of {choices}, got {value!r}")
+        raise ConfigError(f"{type(obj).__name__}.{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -118,14 +120,14 @@ class ModelConfig:
         if self.tgt_vocab_size is not None:
             _positive(self, "tgt_vocab_size")
         if self.share_embeddings and self.tgt_vocab_size not in (None, self.vocab_size):
-            raise ValueError(
+            raise ConfigError(
                 "ModelConfig.share_embeddings=True needs one shared vocabulary, but "
                 f"vocab_size={self.vocab_size} and tgt_vocab_size={self.tgt_vocab_size}"
             )
         if not 0 <= self.pad_id < self.vocab_size:
-            raise ValueError(f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary")
+            raise ConfigError(f"ModelConfig.pad_id={self.pad_id} is outside the vocabulary")
         if not 0 <= self.decoder_start_id < self.target_vocab_size:
-            raise ValueError(f"ModelConfig.decoder_start_id={self.decoder_start_id} is outside "
+            raise ConfigError(f"ModelConfig.decoder_start_id={self.decoder_start_id} is outside "
                              f"the target vocabulary of {self.target_vocab_size}")
 
     @property
@@ -170,7 +172,7 @@ class DataConfig:
         _choice(self, "preprocess", PREPROCESS_MODES)
         _probability(self, "bpe_dropout")
         if self.bpe_dropout > 0 and self.vocab_kind != "bpe":
-            raise ValueError(f"DataConfig.bpe_dropout needs vocab_kind 'bpe', not "
+            raise ConfigError(f"DataConfig.bpe_dropout needs vocab_kind 'bpe', not "
                              f"{self.vocab_kind!r}")
 
 
@@ -233,10 +235,10 @@ class TrainConfig:
         _choice(self, "lr_schedule", LR_SCHEDULES)
         _choice(self, "precision", TRAIN_PRECISIONS)
         if self.rdrop_start > 0 and self.rdrop_alpha == 0:
-            raise ValueError("TrainConfig.rdrop_start > 0 needs rdrop_alpha > 0 (R-Drop's "
+            raise ConfigError("TrainConfig.rdrop_start > 0 needs rdrop_alpha > 0 (R-Drop's "
                              f"weight), got rdrop_start={self.rdrop_start}, rdrop_alpha=0")
         if self.decoupled_weight_decay and self.weight_decay == 0:
-            raise ValueError("TrainConfig.decoupled_weight_decay=True needs weight_decay > 0")
+            raise ConfigError("TrainConfig.decoupled_weight_decay=True needs weight_decay > 0")
         _probability(self, "epsilon_ls", "adam_beta1", "adam_beta2", "ema_decay",
                      "late_dropout_start", "rdrop_start")
 
@@ -293,14 +295,14 @@ class Config:
             key, sep, raw = item.partition("=")
             section, dot, name = key.strip().partition(".")
             if not sep or not dot:
-                raise ValueError(f"override {item!r} is not of the form section.field=value")
+                raise ConfigError(f"override {item!r} is not of the form section.field=value")
             if section not in data or not isinstance(data[section], dict):
-                raise ValueError(f"override {item!r}: unknown section {section!r}")
+                raise ConfigError(f"override {item!r}: unknown section {section!r}")
             if f"{section}.{name}" in _BEFORE_PRECISION:
-                raise ValueError(f"override {item!r}: {section}.{name} is now train.precision "
+                raise ConfigError(f"override {item!r}: {section}.{name} is now train.precision "
                                  f"(one of {', '.join(TRAIN_PRECISIONS)})")
             if name not in data[section]:
-                raise ValueError(f"override {item!r}: unknown field {section}.{name}")
+                raise ConfigError(f"override {item!r}: unknown field {section}.{name}")
             hint = _field_types(_SECTIONS[section])[name]
             data[section][name] = _parse_value(raw.strip(), hint, f"{section}.{name}")
         return Config.from_dict(data, source="--set")
@@ -338,7 +340,7 @@ def _parse_value(raw: str, hint: Any, where: str) -> Any:
             return float(raw)
         return raw
     except ValueError:
-        raise ValueError(f"{where}: cannot read {raw!r} as {getattr(base, '__name__', base)}")
+        raise ConfigError(f"{where}: cannot read {raw!r} as {getattr(base, '__name__', base)}")
 
 
 def _check_type(value: Any, hint: Any, where: str) -> Any:
@@ -350,19 +352,19 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if base is int and isinstance(value, bool) or not isinstance(value, base):
-        raise ValueError(f"{where} must be {getattr(base, '__name__', base)}, got {value!r}")
+        raise ConfigError(f"{where} must be {getattr(base, '__name__', base)}, got {value!r}")
     if base is float and not math.isfinite(value):
-        raise ValueError(f"{where} must be a finite number, got {value!r}")
+        raise ConfigError(f"{where} must be a finite number, got {value!r}")
     return value
 
 
 def _build(cls: type, data: dict[str, Any], source: str) -> Any:
     if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a table, got {data!r}")
+        raise ConfigError(f"{source}: expected a table, got {data!r}")
     if cls is Config:
         unknown = set(data) - {"name", *_SECTIONS}
         if unknown:
-            raise ValueError(f"{source}: unknown section(s) {sorted(unknown)}; "
+            raise ConfigError(f"{source}: unknown section(s) {sorted(unknown)}; "
                              f"known: {sorted(_SECTIONS)}")
         kwargs: dict[str, Any] = {}
         if "name" in data:
@@ -375,7 +377,7 @@ def _build(cls: type, data: dict[str, Any], source: str) -> Any:
         data = _legacy_precision(data, source)
     unknown = set(data) - set(types)
     if unknown:
-        raise ValueError(f"{source}: unknown field(s) {sorted(unknown)} for {cls.__name__}")
+        raise ConfigError(f"{source}: unknown field(s) {sorted(unknown)} for {cls.__name__}")
     kwargs = {k: _check_type(v, types[k], f"{source} {k}") for k, v in data.items()}
     return cls(**kwargs)
 
@@ -386,10 +388,10 @@ def _legacy_precision(data: dict[str, Any], source: str) -> dict[str, Any]:
     data = dict(data)
     bf16, weights = data.pop("bf16", False), data.pop("bf16_weights", False)
     if "precision" in data:
-        raise ValueError(f"{source}: give train.precision alone, not with the older bf16 / "
+        raise ConfigError(f"{source}: give train.precision alone, not with the older bf16 / "
                          "bf16_weights")
     if not isinstance(bf16, bool) or not isinstance(weights, bool):
-        raise ValueError(f"{source}: bf16 and bf16_weights must be true or false")
+        raise ConfigError(f"{source}: bf16 and bf16_weights must be true or false")
     data["precision"] = ("bf16-weights" if weights else "bf16") if bf16 else "fp32"
     return data
 
@@ -409,9 +411,9 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
 
 
@@ -419,12 +421,12 @@ def _read_toml(path: Path | Any, depth: int = 0) -> dict[str, Any]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path}: not valid TOML: {err}") from None
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
     parent = data.pop("extends", None)
     if parent is None:
         return data
     if depth >= 1:
-        raise ValueError(f"{path}: 'extends' may go one level deep only")
+        raise ConfigError(f"{path}: 'extends' may go one level deep only")
     base = _read_toml(path.parent / parent, depth + 1)
     for key, value in data.items():
         if isinstance(value, dict) and isinstance(base.get(key), dict):
@@ -454,7 +456,7 @@ def load_config(name_or_path: str, overrides: list[str] | None = None) -> Config
     else:
         preset = PRESET_DIR / f"{name_or_path}.toml"
         if not preset.is_file():
-            raise ValueError(f"unknown preset {name_or_path!r}; known presets: "
+            raise ConfigError(f"unknown preset {name_or_path!r}; known presets: "
                              f"{', '.join(preset_names())}")
         data = _read_toml(preset)
         data["name"] = name_or_path

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from aiayn.config import Config, DecodeConfig
-from aiayn.errors import UserError
+from aiayn.errors import ConfigError, UserError
 
 __all__ = ["GENERATION_CONFIG", "Translator", "read_generation_config",
            "write_generation_config"]
@@ -327,7 +327,7 @@ class Translator:
         given = {k: v for k, v in overrides.items() if v is not None}
         unknown = sorted(set(given) - set(_DECODE_FIELDS))
         if unknown:
-            raise ValueError(f"unknown decode setting(s): {', '.join(unknown)}")
+            raise ConfigError(f"unknown decode setting(s): {', '.join(unknown)}")
         return dataclasses.replace(self._decode, **given) if given else self._decode
 
     def preprocess(self, lines: list[str], side: str = "src",
@@ -361,7 +361,7 @@ class Translator:
                 ``use_cache``, ``min_len``: benchmarks).
 
         Raises:
-            ValueError: bad settings (naming them).
+            aiayn.errors.ConfigError: bad settings (naming them; a ``ValueError``).
             aiayn.decoding.InputTooLongError: a long line with ``long_inputs="error"``.
         """
         from aiayn.decoding import translate_nbest
@@ -369,6 +369,10 @@ class Translator:
         warn = warn or self.warn
         decode = self.search(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                              max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
+        if nbest > 1 and (decode.beam_size == 1 or sampling is not None):
+            raise ConfigError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
+        if not 1 <= nbest <= decode.beam_size and sampling is None:
+            raise ConfigError(f"nbest must be in [1, beam_size={decode.beam_size}], got {nbest}")
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
         return translate_nbest(self.models, self.vocab, text, decode, nbest=nbest,
                                sampling=sampling, bf16=self.precision.uses_bf16,

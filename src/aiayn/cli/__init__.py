@@ -8,6 +8,7 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
 from aiayn import __version__
 from aiayn.errors import UserError
@@ -73,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     widen_onednn_cache()  # a process the command line starts: before its first bf16 product
     try:
         return int(args._run(args) or 0)
-    except (UserError, ValueError, OSError) as err:
+    except (UserError, OSError) as err:
+        # UserError: what the user gave (a file, an option, a config value) cannot be used;
         # OSError: a file that cannot be read or written (permissions, a full disk, a folder
-        # where a file belongs); its message names the file.
+        # where a file belongs); each message names the file or value
         if os.environ.get("AIAYN_DEBUG"):
             raise
         text = " ".join(str(err).split("\n"))
@@ -84,3 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"aiayn {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception:  # anything else is a bug in aiayn: keep its traceback
+        traceback.print_exc()
+        print(f"aiayn {args.command}: internal error: this is a bug in aiayn {__version__}, not "
+              "a problem with your input; please report it with the traceback above and the "
+              "command you ran", file=sys.stderr)
+        return 1

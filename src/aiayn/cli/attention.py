@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from aiayn.errors import UserError
+
 HELP = ("Draw the attention weights of one translation as the paper's Figures 3-5 do (lines "
         "between two columns of tokens) or as heat maps; --json writes the weights.")
 
@@ -54,7 +56,7 @@ def _source(args: argparse.Namespace) -> str:
 
     lines = read_lines(args.input)
     if not 1 <= args.line <= len(lines):
-        raise ValueError(f"--line {args.line}: {args.input} has {len(lines)} line(s)")
+        raise UserError(f"--line {args.line}: {args.input} has {len(lines)} line(s)")
     return lines[args.line - 1]
 
 
@@ -64,18 +66,18 @@ def _heads(value: str, h: int) -> list[int]:
     try:
         head = int(value)
     except ValueError:
-        raise ValueError(f"--head must be a number from 1 to {h} or 'all', got {value!r}") \
+        raise UserError(f"--head must be a number from 1 to {h} or 'all', got {value!r}") \
             from None
     if not 1 <= head <= h:
-        raise ValueError(f"--head {head} does not exist: the model has h={h} heads (1 … {h})")
+        raise UserError(f"--head {head} does not exist: the model has h={h} heads (1 … {h})")
     return [head - 1]
 
 
 def run(args: argparse.Namespace) -> int:
     if args.output is None and not args.json:
-        raise ValueError("nothing to write: give -o FILE.png, --json, or both")
+        raise UserError("nothing to write: give -o FILE.png, --json, or both")
     if args.output is not None and not args.output.lower().endswith(".png"):
-        raise ValueError(f"-o {args.output}: the image is written as PNG, name it *.png")
+        raise UserError(f"-o {args.output}: the image is written as PNG, name it *.png")
     source = _source(args)
     from aiayn.cli.translate import load_translator
     from aiayn.viz.plot import draw_heatmaps, draw_lines
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     N, h = config.model.N, config.model.h
     layer = N if args.layer is None else args.layer
     if not 1 <= layer <= N:
-        raise ValueError(f"--layer {layer} does not exist: the model has N={N} layers (1 … {N})")
+        raise UserError(f"--layer {layer} does not exist: the model has N={N} layers (1 … {N})")
     heads = _heads(args.head, h)
     # the text the model was trained on (e.g. lowercased and Moses-tokenized), as translate reads
     source = translator.preprocess([source], warn=translator.warn)[0]

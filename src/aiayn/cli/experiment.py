@@ -9,6 +9,8 @@ import json
 import time
 from pathlib import Path
 
+from aiayn.errors import UserError
+
 HELP = ("Run the paper's experiments: `table3` (Table 3's variations on a corpus, equal time "
         "each) or `table1` (Table 1's layer costs measured, with fitted exponents).")
 
@@ -87,9 +89,9 @@ def _table3(args: argparse.Namespace) -> int:
             print(msg, flush=True)
 
     if args.minutes_per_row <= 0:
-        raise ValueError(f"--minutes-per-row must be positive, got {args.minutes_per_row}")
+        raise UserError(f"--minutes-per-row must be positive, got {args.minutes_per_row}")
     if args.window < 1:
-        raise ValueError(f"--window must be >= 1, got {args.window}")
+        raise UserError(f"--window must be >= 1, got {args.window}")
     rows = parse_rows(args.rows)
     overrides = list(args.set) + ([f"data.dataset={args.dataset}"] if args.dataset else [])
     base = load_config(args.scale, overrides)
@@ -127,9 +129,9 @@ def _table1(args: argparse.Namespace) -> int:
                         ("--n", min(args.n)), ("--d", args.d), ("--h", args.h), ("--r", args.r),
                         ("--k", args.k)):
         if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+            raise UserError(f"{name} must be >= 1, got {value}")
     if args.d % args.h:
-        raise ValueError(f"--d {args.d} is not divisible by --h {args.h} (d_k = d / h)")
+        raise UserError(f"--d {args.d} is not divisible by --h {args.h} (d_k = d / h)")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

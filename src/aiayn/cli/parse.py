@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from aiayn.errors import UserError
+
 HELP = ("Constituency parsing as in §6.3: `prepare` a treebank (split by file, linearized "
         "trees), `train` a 4-layer model, `eval` labelled-bracket F1 (EVALB, COLLINS.prm).")
 SPLITS = ("train", "dev", "test")
@@ -116,7 +118,6 @@ def word_vocabulary(sources: list[list[str]], targets: list[list[str]]):
 
 def _prepare(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import write_json_atomic
-    from aiayn.errors import UserError
     from aiayn.parsing.trees import (
         check_fractions,
         clean,
@@ -220,9 +221,9 @@ def _eval(args: argparse.Namespace) -> int:
         try:
             golds.append(Tree.fromstring(line))
         except ValueError as err:
-            raise ValueError(f"{gold_path}, line {i}: not a tree ({err})") from None
+            raise UserError(f"{gold_path}, line {i}: not a tree ({err})") from None
     if len(golds) != len(sentences):
-        raise ValueError(f"{src_path} has {len(sentences)} lines but {gold_path} {len(golds)}")
+        raise UserError(f"{src_path} has {len(sentences)} lines but {gold_path} {len(golds)}")
     if args.limit:
         sentences, golds = sentences[: args.limit], golds[: args.limit]
     model, config, vocab = load_checkpoint(args.checkpoint, args.device or "cpu")

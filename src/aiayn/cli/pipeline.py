@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aiayn.errors import UserError
+
 HELP = ("The whole job on a named corpus: learn the shared BPE vocabulary, train, average the "
         "last checkpoints (§6.1), translate the test set with beam search, report BLEU/chrF.")
 
@@ -91,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.evaluation.bleu import (chrf_score, multi30k_tok_bleu, multi30k_tokenize,
                                        sacrebleu_scores)
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
-    from aiayn.errors import UserError
     from aiayn.training.average import average_checkpoints
     from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
                                          train_members)
@@ -102,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
             print(msg, flush=True)
 
     if args.average is not None and min(args.average) < 1:
-        raise ValueError(f"--average must be at least 1, got {min(args.average)}")
+        raise UserError(f"--average must be at least 1, got {min(args.average)}")
     if args.ensemble < 1:
-        raise ValueError(f"--ensemble must be at least 1, got {args.ensemble}")
+        raise UserError(f"--ensemble must be at least 1, got {args.ensemble}")
     overrides = list(args.set)
     if args.src_lang:
         overrides.append(f"data.src_lang={args.src_lang}")
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or f"runs/{d.dataset}-{d.src_lang}-{d.tgt_lang}")
     test = load_split(d, "test")  # fail early, before training, if the test set is missing
     if test is None or len(test) == 0:
-        raise ValueError(f"aiayn pipeline needs a named dataset with a test split, not "
+        raise UserError(f"aiayn pipeline needs a named dataset with a test split, not "
                          f"data.dataset={d.dataset!r}; use aiayn train / average / evaluate")
     found_members = members_found(run_dir)
     if args.resume and found_members and args.ensemble != found_members:
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         kept = load_config(str(run_dir / "config.json"), overrides).train.keep_last
     widths = list(dict.fromkeys(args.average or [kept]))
     if max(widths) > kept:
-        raise ValueError(f"--average {max(widths)}: the run keeps only its last {kept} "
+        raise UserError(f"--average {max(widths)}: the run keeps only its last {kept} "
                          f"checkpoints (train.keep_last); add --set train.keep_last="
                          f"{max(widths)}")
     device = choose_device(args.device)  # one device for training and decoding

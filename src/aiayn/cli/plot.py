@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from aiayn.errors import DataError, UserError
+
 HELP = "Plot loss, perplexity, validation BLEU and learning rate against steps (PNG)."
 
 
@@ -52,7 +54,7 @@ def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            raise ValueError(f"{path}, line {number}: not JSON") from None
+            raise DataError(f"{path}, line {number}: not JSON") from None
         kind = record.get("kind")
         if kind in ("train", "valid"):  # other kinds (the precision record) are not curves
             (train if kind == "train" else valid).append(record)

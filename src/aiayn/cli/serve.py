@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.serve.app import ServeLimits, create_app
 
     if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1 … 65535, got {args.port}")
+        raise UserError(f"--port must be in 1 … 65535, got {args.port}")
     if not args.keep_alive_s > 0:
-        raise ValueError(f"--keep-alive-s must be a positive number of seconds, "
+        raise UserError(f"--keep-alive-s must be a positive number of seconds, "
                          f"got {args.keep_alive_s}")
     limits = ServeLimits(
         max_body_bytes=args.max_body_bytes, max_lines=args.max_lines, max_chars=args.max_chars,

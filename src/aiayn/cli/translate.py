@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from aiayn.errors import UserError
+
 HELP = ("Translate text line by line with a checkpoint (beam search as §6.1 by default); one "
         "output line per input line.")
 
@@ -74,12 +76,12 @@ def check_decode_arguments(args: argparse.Namespace) -> None:
         text = str(err)
         for field, option in _DECODE_OPTIONS.items():
             text = text.replace(f"DecodeConfig.{field}", option)
-        raise ValueError(text) from None
+        raise UserError(text) from None
     if args.sample:
         try:
             SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
         except ValueError as err:
-            raise ValueError(f"--{err}") from None
+            raise UserError(f"--{err}") from None
 
 
 def decode_options(args: argparse.Namespace, nbest: int = 1) -> dict:
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.fileio import atomic_file, check_output_file
 
     if args.nbest < 1:
-        raise ValueError(f"--nbest must be >= 1, got {args.nbest}")
+        raise UserError(f"--nbest must be >= 1, got {args.nbest}")
     check_decode_arguments(args)
     choose_device(args.device)
     to_file = args.output not in (None, "-")

@@ -6,6 +6,8 @@ import argparse
 import json
 import time
 
+from aiayn.errors import UserError
+
 HELP = ("Learn a shared source-target subword vocabulary (BPE as for EN-DE, or word-pieces as "
         "for EN-FR, §5.1) and save it as DIR/tokenizer.json.")
 
@@ -37,13 +39,12 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.data.vocab import Vocabulary
 
     if args.dataset and (args.src or args.tgt):
-        raise ValueError("give either --dataset or --src/--tgt, not both")
+        raise UserError("give either --dataset or --src/--tgt, not both")
     if not args.dataset and not args.src:
-        raise ValueError("nothing to learn from: give --src FILE --tgt FILE, --src PAIRS.tsv, "
+        raise UserError("nothing to learn from: give --src FILE --tgt FILE, --src PAIRS.tsv, "
                          "or --dataset multi30k")
     if args.tgt and not args.src:
-        raise ValueError("--tgt needs --src")
-    from aiayn.errors import UserError
+        raise UserError("--tgt needs --src")
     from aiayn.fileio import check_output_dir
 
     check_output_dir(args.output, "-o")

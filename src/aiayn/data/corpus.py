@@ -29,7 +29,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiayn.errors import DataError
+from aiayn.errors import ConfigError, DataError
 
 DATA_DIR_ENV = "AIAYN_DATA_DIR"
 CACHE_DIR_ENV = "AIAYN_CACHE_DIR"
@@ -207,10 +207,10 @@ def cache_dir() -> Path:
 
 def _check_multi30k(split: str, langs: tuple[str, ...]) -> None:
     if split not in MULTI30K_SPLITS:
-        raise ValueError(f"unknown Multi30k split {split!r}; known: {', '.join(MULTI30K_SPLITS)}")
+        raise ConfigError(f"unknown Multi30k split {split!r}; known: {', '.join(MULTI30K_SPLITS)}")
     for lang in langs:
         if lang not in MULTI30K_LANGS:
-            raise ValueError(f"Multi30k has no language {lang!r}; known: "
+            raise ConfigError(f"Multi30k has no language {lang!r}; known: "
                              f"{', '.join(MULTI30K_LANGS)}")
 
 
@@ -323,7 +323,7 @@ def wmt14_paths(split: str, src_lang: str, tgt_lang: str) -> tuple[Path, Path]:
                          f"{', '.join(WMT14_SPLITS)}")
     for lang in (src_lang, tgt_lang):
         if lang not in WMT14_LANGS:
-            raise ValueError(f"wmt14-en-de has no language {lang!r}; known: en, de")
+            raise ConfigError(f"wmt14-en-de has no language {lang!r}; known: en, de")
     how = ("newstest2013/2014 .en/.de as plain text (e.g. from github.com/Helsinki-NLP/"
            "OPUS-MT-testsets, testsets/en-de/)")
     root = data_dir()
@@ -352,14 +352,14 @@ def load_dataset(name: str, split: str, src_lang: str, tgt_lang: str, *,
         FileNotFoundError, DataError: see :func:`multi30k_paths`, :func:`wmt14_paths`.
     """
     if src_lang == tgt_lang:
-        raise ValueError(f"source and target language are both {src_lang!r}")
+        raise ConfigError(f"source and target language are both {src_lang!r}")
     if name == "multi30k":
         src, tgt = multi30k_paths(split, src_lang, tgt_lang, download=download,
                                   base_url=base_url)
     elif name == "wmt14-en-de":
         src, tgt = wmt14_paths(split, src_lang, tgt_lang)
     else:
-        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (or give "
+        raise ConfigError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (or give "
                          "aligned files)")
     return load_parallel(src, tgt, drop_empty=drop_empty,
                          name=f"{name}/{split}.{src_lang}-{tgt_lang}")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from aiayn.errors import DataError
+from aiayn.errors import ConfigError, DataError
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -65,7 +65,7 @@ class Vocabulary:
             ValueError: ``size`` not above the number of special tokens, or an unknown ``kind``.
         """
         if size <= len(SPECIAL_TOKENS):
-            raise ValueError(f"vocabulary size must exceed {len(SPECIAL_TOKENS)}, got {size}")
+            raise ConfigError(f"vocabulary size must exceed {len(SPECIAL_TOKENS)}, got {size}")
         metaspace = dict(replacement="▁", prepend_scheme="always", split=True)
         if kind == "bpe":
             tokenizer = Tokenizer(models.BPE(unk_token=UNK))

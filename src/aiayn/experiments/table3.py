@@ -21,6 +21,7 @@ from typing import Any
 
 from aiayn.config import Config
 from aiayn.fileio import save_with
+from aiayn.errors import ConfigError
 
 # The paper's base row and each variation's changes, as Table 3 prints them.
 PAPER_BASE: dict[str, Any] = {"N": 6, "d_model": 512, "d_ff": 2048, "h": 8, "d_k": 64,
@@ -65,7 +66,7 @@ def parse_rows(text: str) -> list[str]:
     rows = [r.strip() for r in text.split(",") if r.strip()]
     bad = [r for r in rows if r not in ROW_NAMES]
     if bad or not rows:
-        raise ValueError(f"unknown Table 3 row(s) {bad or text!r}; known: {', '.join(ROW_NAMES)}")
+        raise ConfigError(f"unknown Table 3 row(s) {bad or text!r}; known: {', '.join(ROW_NAMES)}")
     return rows
 
 
@@ -90,7 +91,7 @@ def scale_row(base: Config, row: str, window: int = 4) -> Config:
         ValueError: an unknown row, or a scaled h that does not divide d_model.
     """
     if row not in ROW_NAMES:
-        raise ValueError(f"unknown Table 3 row {row!r}; known: {', '.join(ROW_NAMES)}")
+        raise ConfigError(f"unknown Table 3 row {row!r}; known: {', '.join(ROW_NAMES)}")
     model = dataclasses.asdict(base.model)
     train = dataclasses.asdict(base.train)
     if row == RESTRICTED:

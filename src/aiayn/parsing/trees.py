@@ -23,7 +23,7 @@ from pathlib import Path
 from nltk.corpus.reader.util import read_sexpr_block
 from nltk.tree import Tree
 
-from aiayn.errors import DataError
+from aiayn.errors import ConfigError, DataError
 
 PLACEHOLDER = "XX"
 CLOSE = ")"
@@ -97,7 +97,7 @@ def clean(tree: Tree) -> Tree | None:
 def check_fractions(dev_fraction: float, test_fraction: float) -> None:
     """Raises ValueError unless both shares are in (0, 1) and their sum is below 1."""
     if not (0 < dev_fraction < 1 and 0 < test_fraction < 1 and dev_fraction + test_fraction < 1):
-        raise ValueError(f"dev and test fractions must be in (0, 1) with a sum below 1, got "
+        raise ConfigError(f"dev and test fractions must be in (0, 1) with a sum below 1, got "
                          f"{dev_fraction} and {test_fraction}")
 
 

@@ -34,6 +34,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from aiayn.serve.batcher import Batcher, QueueFullError, ShuttingDownError
+from aiayn.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -66,12 +67,12 @@ class ServeLimits:
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if not value > 0 and not (name == "max_wait_ms" and value == 0):
-                raise ValueError(f"serve limit {name} must be > 0, got {value}")
+                raise ConfigError(f"serve limit {name} must be > 0, got {value}")
         if self.max_lines > self.max_queue_lines:
-            raise ValueError(f"max_lines={self.max_lines} exceeds max_queue_lines="
+            raise ConfigError(f"max_lines={self.max_lines} exceeds max_queue_lines="
                              f"{self.max_queue_lines}: such a request could never be queued")
         if self.max_lines > self.max_batch_lines:
-            raise ValueError(f"max_lines={self.max_lines} exceeds max_batch_lines="
+            raise ConfigError(f"max_lines={self.max_lines} exceeds max_batch_lines="
                              f"{self.max_batch_lines}: such a request would not fit one batch")
 
 

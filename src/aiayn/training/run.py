@@ -17,7 +17,7 @@ from aiayn.data.corpus import ParallelCorpus, load_dataset, load_parallel
 from aiayn.data.text import preprocess_corpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
-from aiayn.errors import UserError
+from aiayn.errors import ConfigError, UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
 from aiayn.training.loop import DistInfo, Trainer, init_distributed
 
@@ -97,12 +97,12 @@ def load_raw_split(data: Any, split: str) -> ParallelCorpus | None:
         if not src or not tgt:
             if split != "train":
                 return None
-            raise ValueError("data.dataset = 'files' needs data.train_src and data.train_tgt")
+            raise ConfigError("data.dataset = 'files' needs data.train_src and data.train_tgt")
         return load_parallel(src, tgt)
     names = {"multi30k": {"train": "train", "valid": "val", "test": "test_2016_flickr"},
              "wmt14-en-de": {"train": "train", "valid": "newstest2013", "test": "newstest2014"}}
     if data.dataset not in names:
-        raise ValueError(f"unknown dataset {data.dataset!r}; known: files, "
+        raise ConfigError(f"unknown dataset {data.dataset!r}; known: files, "
                          f"{', '.join(names)}")
     return load_dataset(data.dataset, names[data.dataset][split], data.src_lang, data.tgt_lang)
 
