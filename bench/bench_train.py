@@ -43,7 +43,7 @@ from torch import nn
 from aiayn.config import load_config
 from aiayn.data.batching import collate, encode_corpus
 from aiayn.data.corpus import load_dataset
-from aiayn.data.vocab import PAD_ID, Vocabulary
+from aiayn.data.vocab import BOS_ID, PAD_ID, Vocabulary
 from aiayn.training.loop import Trainer
 from aiayn.training.run import prepare_training_process
 from aiayn.training.loss import label_smoothed_loss
@@ -149,7 +149,7 @@ def time_peer(cfg, enc, order: list[list[int]], bf16: bool, ours_loss: bool,
         if i == passes * len(order):
             _sync(device)
             tokens, start = 0, time.perf_counter()
-        b = collate(enc, idx, start_id=config.model.decoder_start_id).to(device)
+        b = collate(enc, idx, start_id=BOS_ID).to(device)  # torch.nn.Transformer starts at BOS
         ac = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 \
             else contextlib.nullcontext()
         with ac:
