@@ -29,8 +29,8 @@ from aiayn.devices import ONEDNN_CACHE_CAPACITY
 from aiayn.errors import DataError, UserError
 from aiayn.model import Transformer
 from aiayn.training.average import average_checkpoints
-from aiayn.training.loss import (label_smoothed_loss, projected_label_smoothed_loss,
-                                 rdrop_loss)
+from aiayn.training.fused_loss import projected_label_smoothed_loss, rdrop_loss
+from aiayn.training.loss import label_smoothed_loss
 from aiayn.training.loop import StopTraining, build_optimizer
 from aiayn.training.run import run_training
 from aiayn.training.schedule import learning_rate

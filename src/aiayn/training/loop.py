@@ -49,7 +49,7 @@ from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.precision import Precision, choose_precision
-from aiayn.training.loss import projected_label_smoothed_loss, rdrop_loss
+from aiayn.training.fused_loss import projected_label_smoothed_loss, rdrop_loss
 from aiayn.training.parts import (
     Checkpointer,
     MetricsSink,
