@@ -40,7 +40,8 @@ from aiayn.errors import UserError
 from aiayn.fileio import fsync_dir, write_json_atomic
 from aiayn.model import Transformer
 
-__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "list_checkpoints",
+__all__ = ["save_checkpoint", "load_checkpoint", "load_weights", "resolve_checkpoint",
+           "list_checkpoints",
            "prune_checkpoints", "recover_run_dir", "read_meta", "load_training_state",
            "weights_fingerprint", "write_json_atomic"]
 
@@ -220,16 +221,31 @@ def load_checkpoint(
     fingerprint = weights_fingerprint(path / WEIGHTS) or read_meta(path).get("vocab_fingerprint")
     vocab.check_matches(config.model.vocab_size, fingerprint, where=str(path))
     model = Transformer(config.model)
-    try:
-        missing, unexpected = _st_load_model(model, str(path / WEIGHTS), strict=False)
-    except Exception as err:
-        raise UserError(f"{path / WEIGHTS}: weights do not fit {path / CONFIG} ({err})") from None
-    missing = [k for k in missing if not k.startswith("tgt_embed") or not
-               config.model.share_embeddings]
-    if missing or unexpected:
-        raise UserError(f"{path / WEIGHTS}: weights do not fit the config (missing "
-                        f"{missing[:3]}, unexpected {unexpected[:3]})")
+    load_weights(model, path)
     return model.to(device).eval(), config, vocab
+
+
+def load_weights(model: Transformer, path: str | Path, device: str | torch.device = "cpu"
+                 ) -> None:
+    """Load the checkpoint ``path``'s weights into ``model`` (loading and resuming both do),
+    checking that they fit: every parameter and buffer present (a tied target embedding is
+    stored once), none unknown, every shape the model's.
+
+    Raises:
+        UserError: the weights do not fit ``model`` (naming the file and what is missing,
+            unexpected or of another shape), or the file is not a readable safetensors file.
+    """
+    file = Path(path) / WEIGHTS
+    try:
+        missing, unexpected = _st_load_model(model, str(file), strict=False,
+                                             device=str(device))
+    except Exception as err:  # a shape mismatch (RuntimeError), a corrupt file
+        raise UserError(f"{file}: weights do not fit the model's config ({err})") from None
+    missing = [k for k in missing if not k.startswith("tgt_embed") or not
+               model.config.share_embeddings]
+    if missing or unexpected:
+        raise UserError(f"{file}: weights do not fit the config (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]})")
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -3,6 +3,7 @@ non-finite steps, crash-safe checkpoints, and two processes agreeing with one.""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -488,6 +489,30 @@ def test_resume_takes_the_optimizer_settings_of_its_config(tmp_path: Path) -> No
                      overrides=["train.max_steps=8", "train.decoupled_weight_decay=true"])
 
 
+def test_resume_checks_that_the_weights_fit(tmp_path: Path) -> None:
+    """Resuming loads the newest checkpoint's weights with the checks loading does: weights of
+    another shape, or with a tensor missing, are refused with the file named, not loaded in
+    part."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = task_config(tmp_path, max_steps=4, checkpoint_every_steps=4)
+    run_training(cfg, tmp_path / "run", progress=False, log=quiet)
+    weights = tmp_path / "run/checkpoints/step-00000004/model.safetensors"
+    tensors = load_file(str(weights))
+    wide = {k: (torch.zeros(v.shape[0], 2 * v.shape[1]) if k.endswith("ffn.W_1.weight") else v)
+            for k, v in tensors.items()}
+    assert wide.keys() == tensors.keys() and any(wide[k] is not tensors[k] for k in tensors)
+    save_file(wide, str(weights))
+    with pytest.raises(UserError, match=f"{weights}: weights do not fit"):
+        run_training(None, tmp_path / "run", resume=True, progress=False, log=quiet,
+                     overrides=["train.max_steps=6"])
+    save_file({k: v for k, v in tensors.items() if not k.startswith("decoder.0.")},
+              str(weights))
+    with pytest.raises(UserError, match=r"weights do not fit the config \(missing \['decoder.0"):
+        run_training(None, tmp_path / "run", resume=True, progress=False, log=quiet,
+                     overrides=["train.max_steps=6"])
+
+
 def test_ema_is_the_moving_average_of_every_update(tmp_path: Path) -> None:
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary
@@ -836,6 +861,7 @@ def test_rdrop_stacks_the_batch_row_for_row(tmp_path: Path) -> None:
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
     from aiayn.training.run import load_split
+    from aiayn.training.step import batch_loss
 
     cfg = task_config(tmp_path, rdrop_alpha=5.0)
     corpus = load_split(cfg.data, "train")
@@ -848,15 +874,14 @@ def test_rdrop_stacks_the_batch_row_for_row(tmp_path: Path) -> None:
     assert model.draws_dropout
     model.set_dropout_active(False)
     assert not model.draws_dropout
-    batch = trainer._next_batch()
+    batch = trainer.next_batch()
     keep = batch.tgt_out != vocab.pad_id
 
     def run(stacked: bool) -> tuple[float, float, int, list[torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        if stacked:
-            loss, nll, n = trainer._rdrop_batch_loss(model, model, batch, keep, 0.01)
-        else:
-            loss, nll, n = trainer._batch_loss(model, batch, grad_scale=0.01)
+        loss, nll, n = batch_loss(model, batch, epsilon_ls=cfg.train.epsilon_ls,
+                                  pad_id=vocab.pad_id, autocast=contextlib.nullcontext(),
+                                  rdrop_alpha=5.0 if stacked else 0.0, grad_scale=0.01)
         loss.backward()
         return float(loss.detach()), float(nll), n, [p.grad.clone() for p in model.parameters()]
 

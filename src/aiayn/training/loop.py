@@ -21,35 +21,38 @@ Run directory::
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 import gc
 import math
-import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from aiayn.checkpoint import load_training_state
+from aiayn.checkpoint import load_training_state, load_weights
 from aiayn.config import Config
-from aiayn.data.batching import Batch, EncodedCorpus, collate, make_batches
-from aiayn.data.bpe_dropout import DroppedCorpus
+from aiayn.data.batching import Batch, EncodedCorpus
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import cpu_times, steal_percent
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
-from aiayn.precision import Precision, choose_precision
-from aiayn.training.fused_loss import projected_label_smoothed_loss, rdrop_loss
+from aiayn.precision import choose_precision
+from aiayn.training import step as update
+from aiayn.training.distributed import (
+    DistInfo,
+    agree_precision,
+    init_distributed,
+    main_decides,
+    restore_rng_state,
+    rng_states,
+)
+from aiayn.training.mixed import MixedPrecision
 from aiayn.training.parts import (
     Checkpointer,
     MetricsSink,
@@ -58,52 +61,12 @@ from aiayn.training.parts import (
     validation_figures,
     weights_finite,
 )
-from aiayn.training.schedule import budget_progress, scheduled_lr
+from aiayn.training.schedule import budget_progress
+from aiayn.training.state import TrainState
+from aiayn.training.stream import EpochStream
 
-
-@dataclass
-class DistInfo:
-    """Where this process stands among ``world_size`` (1 when not under torchrun)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @classmethod
-    def from_env(cls) -> DistInfo:
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                   int(os.environ.get("LOCAL_RANK", 0)))
-
-
-def init_distributed(device: torch.device) -> DistInfo:
-    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA); the one place
-    that does (:func:`aiayn.training.run.run_training` calls it before anything else). A no-op
-    for a single process or when already joined."""
-    info = DistInfo.from_env()
-    if info.world_size > 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # NCCL and object collectives use the current device
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return info
-
-
-@dataclass
-class TrainState:
-    """What a resumed run needs besides the weights (all plain values: weights_only-loadable)."""
-
-    step: int = 0  # updates taken
-    epoch: int = 0
-    batch_in_epoch: int = 0  # batches of this process's shard consumed in ``epoch``
-    elapsed_s: float = 0.0  # training wall time so far, evaluation included
-    nonfinite_total: int = 0
-    best_metric: float | None = None  # best validation BLEU (or -loss when BLEU is off)
-    evals_since_best: int = 0
-    target_tokens: int = 0  # target tokens trained on, all processes
-    extra: dict[str, Any] = field(default_factory=dict)
+__all__ = ["DistInfo", "StopTraining", "TrainState", "Trainer", "build_model", "build_optimizer",
+           "init_distributed"]
 
 
 class StopTraining(UserError):
@@ -194,46 +157,26 @@ class Trainer:
         checkpointer: Checkpointer | None = None,
         train_text: ParallelCorpus | None = None,
     ) -> None:
-        self.config = config
-        self.tc = config.train
+        self.config, self.tc, self.vocab = config, config.train, vocab
         self.run_dir = Path(run_dir)
-        self.vocab = vocab
-        self.train_data = train
-        self.valid = valid
-        self.valid_encoded = valid_encoded
+        self.valid, self.valid_encoded = valid, valid_encoded
         self.device = torch.device(device)
         self.dist = DistInfo.from_env()
-        if self.dist.world_size > 1 and not dist.is_initialized():
+        if self.dist.world_size > 1 and not torch.distributed.is_initialized():
             raise RuntimeError("several processes: call init_distributed(device) before "
                                "building a Trainer")
-        if len(train) == 0:
-            raise ValueError("no training pairs: every epoch would be empty")
         if config.model.pad_id != vocab.pad_id:  # the vocabulary is the one source of truth
             raise ValueError(f"model.pad_id={config.model.pad_id} but the vocabulary pads "
                              f"with id {vocab.pad_id}")
+        self.stream = EpochStream(config, vocab, train, train_text, self.dist)
         self.progress = progress and self.dist.is_main
-        # SDPA's CPU flash kernel has a slow backward at sentence lengths of ~30 tokens; the
-        # plain math kernel is faster there (measured in bench/bench_train.py). Training on
-        # CPU no longer calls SDPA at all (MultiHeadAttention writes eq. 1 out); the flag
-        # still picks the kernel on other devices.
+        # CPU training no longer calls SDPA (MultiHeadAttention writes eq. 1 out); on other
+        # devices the math kernel can still be asked for (measured in bench/bench_train.py)
         self.math_attention = self.device.type == "cpu" if math_attention is None \
             else math_attention
         self.state = TrainState()
         self._stop_signal: int | None = None
         self._last_ckpt_time = time.monotonic()
-        self._epoch_batches: list[list[int]] | None = None
-        # data.bpe_dropout: every epoch's pairs segmented anew, a pure function of (seed, epoch)
-        self._dropped: DroppedCorpus | None = None
-        if config.data.bpe_dropout > 0:
-            if train_text is None:
-                raise ValueError("data.bpe_dropout needs the training pairs' text (train_text)")
-            self._dropped = DroppedCorpus(
-                vocab, [train_text.src[i] for i in train.index],
-                [train_text.tgt[i] for i in train.index], train, config.data.bpe_dropout,
-                config.data.max_len, self.tc.seed,
-                restrict_target=config.model.output_vocab == "target")
-        self._epoch_data: tuple[int, EncodedCorpus] | None = None
-
         self.model = model if model is not None else build_model(config, self.device,
                                                                  self.tc.seed)
         if model is None and config.model.output_vocab == "target":
@@ -242,13 +185,11 @@ class Trainer:
             self.model.limit_output_vocab(torch.from_numpy(train.target_token_ids()))
         if self.dist.world_size > 1:  # same initial weights, different dropout masks
             torch.manual_seed(self.tc.seed + 1000 * self.dist.rank)
-        # train.precision, "auto" measured on this machine (aiayn.precision); bf16-weights:
-        # forward and backward on a bf16 copy, Adam on the float32 master
-        self.precision = self._agree_precision(
-            choose_precision(self.tc.precision, self.device, config.model))
-        self.compute_model: nn.Module = self.model
-        if self.precision.bf16_weights:
-            self.compute_model = copy.deepcopy(self.model).to(torch.bfloat16)
+        # train.precision, "auto" measured on this machine and agreed by every process
+        self.precision = agree_precision(
+            choose_precision(self.tc.precision, self.device, config.model), self.dist,
+            self.device)
+        self.mixed = MixedPrecision(self.model, self.precision, self.device)
         self.ddp_model: nn.Module = self.compute_model
         self._dropout_active: bool | None = None  # set by _schedule_dropout (late dropout)
         if self.dist.world_size > 1:
@@ -267,92 +208,42 @@ class Trainer:
         self.checkpointer = checkpointer if checkpointer is not None else \
             Checkpointer(self.run_dir, config, vocab, self.tc.keep_last)
 
-    def _agree_precision(self, mine: Precision) -> Precision:
-        """One precision for every process: each measured its own CPU, and bf16 is used only
-        if every one chose it (a rank that found bf16 slower makes them all fp32)."""
-        if self.dist.world_size == 1 or mine.requested != "auto":
-            return mine
-        flag = torch.tensor([0.0 if mine.chosen == "fp32" else 1.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if flag.item() == 0.0 and mine.chosen != "fp32":
-            return dataclasses.replace(mine, chosen="fp32", reason=mine.reason + "; another "
-                                       "process found bf16 slower, so every process runs fp32")
-        return mine
+    @property
+    def compute_model(self) -> nn.Module:
+        """The model the passes run on: the master itself, or its bf16 copy (bf16-weights)."""
+        return self.mixed.compute_model
 
     # --- data -----------------------------------------------------------------------------
     def data_of_epoch(self, epoch: int) -> EncodedCorpus:
-        """The training pairs as ``epoch`` sees them: the encoded corpus, or with
-        ``data.bpe_dropout`` its segmentation for ``(train.seed, epoch)`` (the last one kept)."""
-        if self._dropped is None:
-            return self.train_data
-        if self._epoch_data is None or self._epoch_data[0] != epoch:
-            self._epoch_data = (epoch, self._dropped.epoch(epoch))
-        return self._epoch_data[1]
+        """See :meth:`EpochStream.data_of_epoch`."""
+        return self.stream.data_of_epoch(epoch)
 
     def batches_of_epoch(self, epoch: int) -> list[list[int]]:
-        """The batches of ``epoch`` this process trains on, in order: lists of indices into
-        :meth:`data_of_epoch`, each batch at most ``data.max_tokens`` tokens a side (padding
-        included), shuffled by ``(train.seed, epoch)`` and sharded by rank. Deterministic:
-        resuming, and benchmarks that time the same batches, call it again."""
-        data = self.data_of_epoch(epoch)
-        return make_batches(data.src_lengths(), data.tgt_lengths(),
-                            self.config.data.max_tokens, seed=self.tc.seed, epoch=epoch,
-                            shuffle=True, num_shards=self.dist.world_size,
-                            shard_index=self.dist.rank)
+        """See :meth:`EpochStream.batches_of_epoch`."""
+        return self.stream.batches_of_epoch(epoch)
 
-    def _next_batch(self) -> Batch:
-        """The next batch of the data order, on the device, moving to the next epoch when
-        this one is used up."""
-        s = self.state
-        if self._epoch_batches is None:
-            self._epoch_batches = self.batches_of_epoch(s.epoch)
-        while s.batch_in_epoch >= len(self._epoch_batches):
-            if not self._epoch_batches and s.batch_in_epoch == 0:
-                raise ValueError(f"epoch {s.epoch} has no batch")  # guarded in __init__
-            s.epoch += 1
-            s.batch_in_epoch = 0
-            self._epoch_batches = self.batches_of_epoch(s.epoch)
-        indices = self._epoch_batches[s.batch_in_epoch]
-        s.batch_in_epoch += 1
-        return collate(self.data_of_epoch(s.epoch), indices,
-                       start_id=self.config.model.decoder_start_id).to(self.device)
+    def next_batch(self) -> Batch:
+        """The next batch of the data order, on the device (the state's position moves on)."""
+        return self.stream.next_batch(self.state, self.device)
 
     # --- checkpoints ----------------------------------------------------------------------
     def _training_state(self) -> dict[str, Any]:
-        s = self.state
-        return {
-            "step": s.step, "epoch": s.epoch, "batch_in_epoch": s.batch_in_epoch,
-            "elapsed_s": s.elapsed_s, "nonfinite_total": s.nonfinite_total,
-            "best_metric": s.best_metric, "evals_since_best": s.evals_since_best,
-            "target_tokens": s.target_tokens,
-            "optimizer": self.optimizer.state_dict(),
-            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
-            # dropout masks: every process's own generators; batching has its own seed
-            "rng": self._gather_rng_states(),
-            "rank": self.dist.rank, "world_size": self.dist.world_size,
-        }
-
-    def _rng_state(self) -> dict[str, torch.Tensor]:
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
-
-    def _gather_rng_states(self) -> list[dict[str, torch.Tensor]]:
-        """Each process's CPU (and CUDA) RNG state, by rank (a collective: all ranks call it)."""
-        mine = self._rng_state()
-        if self.dist.world_size == 1:
-            return [mine]
-        states: list[Any] = [None] * self.dist.world_size
-        dist.all_gather_object(states, mine)
-        return states
+        """Everything a resume restores besides the weights (a collective: the RNG states of
+        every process are gathered)."""
+        return {**self.state.to_dict(), "optimizer": self.optimizer.state_dict(),
+                **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
+                "rng": rng_states(self.dist, self.device),
+                "rank": self.dist.rank, "world_size": self.dist.world_size}
 
     def resume(self, checkpoint: Path) -> None:
-        """Restore weights, optimizer, schedule position, RNGs and data position."""
-        from safetensors.torch import load_model
+        """Restore weights (checked to fit the model, as loading does), optimizer, schedule
+        position, RNGs and data position.
 
-        load_model(self.model, str(checkpoint / "model.safetensors"), strict=False,
-                   device=str(self.device))
+        Raises:
+            UserError: weights that do not fit; a checkpoint of another number of processes
+                or of another optimizer layout.
+        """
+        load_weights(self.model, checkpoint, self.device)
         st = load_training_state(checkpoint)
         if st.get("world_size", 1) != self.dist.world_size:
             raise UserError(f"{checkpoint} was written by a run of {st.get('world_size')} "
@@ -370,69 +261,34 @@ class Trainer:
         self.optimizer.load_state_dict(st["optimizer"])
         for group, settings in zip(self.optimizer.param_groups, hyper):
             group.update(settings)
-        self._sync_compute_weights()
+        self.mixed.weights_to_compute()
         if self.ema is not None:  # a run that turns the EMA on when resumed starts it here
             if "ema" in st:
                 self.ema.load_state_dict(st["ema"])
             else:
                 self.ema.n_averaged.zero_()
-        self.state = TrainState(
-            step=st["step"], epoch=st["epoch"], batch_in_epoch=st["batch_in_epoch"],
-            elapsed_s=st["elapsed_s"], nonfinite_total=st["nonfinite_total"],
-            best_metric=st["best_metric"], evals_since_best=st["evals_since_best"],
-            target_tokens=st["target_tokens"])
-        if "rng" in st:
-            mine = st["rng"][self.dist.rank]
-            torch.set_rng_state(mine["cpu"])
-            if "cuda" in mine and self.device.type == "cuda":
-                torch.cuda.set_rng_state(mine["cuda"], self.device)
-        else:  # checkpoints of earlier versions kept rank 0's CPU state only
-            torch.set_rng_state(st["torch_rng"])
-        self._epoch_batches = None
+        self.state = TrainState.from_dict(st)
+        restore_rng_state(st, self.dist, self.device)
+        self.stream.seek()
 
     # --- one update -----------------------------------------------------------------------
-    def _autocast(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        # bf16 weights need no autocast (it would run LayerNorm in float32 and cast around it)
-        if self.precision.uses_bf16 and next(model.parameters()).dtype == torch.float32:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _attention_backend(self) -> contextlib.AbstractContextManager:
         if self.math_attention:
             return sdpa_kernel(SDPBackend.MATH)
         return contextlib.nullcontext()
 
-    def _batch_loss(self, model: nn.Module, batch,
-                    grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Label-smoothed loss of one batch (§5.4), summed over its non-pad target tokens; only
-        those positions reach the output layer. Returns (loss_sum, nll_sum, n_tokens); its
-        backward gives the gradient of ``grad_scale * loss_sum``."""
-        keep = batch.tgt_out != self.vocab.pad_id  # (B, T)
+    def batch_loss(self, model: nn.Module, batch: Batch,
+                   grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:func:`aiayn.training.step.batch_loss` with this run's settings: label smoothing,
+        precision, and R-Drop from its start on while dropout masks are drawn (not in eval
+        mode, not before late dropout's start, not with every rate 0: else its two passes
+        would be one)."""
         core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        # R-Drop's second pass only from its start on and while dropout masks are drawn (not in
-        # eval mode, not before late dropout's start, not with every rate 0): else the two
-        # passes are one pass
-        if self.tc.rdrop_alpha > 0 and self._budget_spent() >= self.tc.rdrop_start \
-                and core.draws_dropout:
-            return self._rdrop_batch_loss(model, core, batch, keep, grad_scale)
-        with self._autocast(model):
-            hidden = model(batch.src, batch.tgt_in, output_mask=keep, project=False)  # (n, d)
-            # the output layer and the loss in one chunked pass: no (n, V) logits in memory
-            return projected_label_smoothed_loss(
-                hidden, core.tgt_embed.weight, core.final_logits_bias, batch.tgt_out[keep],
-                self.tc.epsilon_ls, self.vocab.pad_id, grad_scale)
-
-    def _rdrop_batch_loss(self, model: nn.Module, core: nn.Module, batch, keep: torch.Tensor,
-                          grad_scale: float) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """``train.rdrop_alpha`` > 0: the batch stacked on itself, so that one forward runs
-        both of R-Drop's passes with independent dropout masks (:func:`rdrop_loss`)."""
-        with self._autocast(model):
-            hidden = model(torch.cat([batch.src, batch.src]),
-                           torch.cat([batch.tgt_in, batch.tgt_in]),
-                           output_mask=torch.cat([keep, keep]), project=False)  # (2n, d)
-            return rdrop_loss(hidden, core.tgt_embed.weight, core.final_logits_bias,
-                              batch.tgt_out[keep], self.tc.epsilon_ls, self.tc.rdrop_alpha,
-                              self.vocab.pad_id, grad_scale)
+        rdrop = self.tc.rdrop_alpha if (self.tc.rdrop_alpha > 0 and core.draws_dropout and
+                                        self._budget_spent() >= self.tc.rdrop_start) else 0.0
+        return update.batch_loss(model, batch, epsilon_ls=self.tc.epsilon_ls,
+                                 pad_id=self.vocab.pad_id, autocast=self.mixed.autocast(model),
+                                 rdrop_alpha=rdrop, grad_scale=grad_scale)
 
     def _budget_spent(self) -> float:
         """The fraction of the budget spent before this update, as the lr schedule measures
@@ -452,60 +308,15 @@ class Trainer:
             self._dropout_active = active
 
     def train_step(self) -> dict[str, float]:
-        """One update from ``accum_steps`` batches (per process). Returns loss figures."""
+        """One update from ``accum_steps`` batches (per process); see
+        :func:`aiayn.training.step.train_step`. Returns loss figures."""
         self.ddp_model.train()
         self._schedule_dropout()
-        batches = [self._next_batch() for _ in range(self.tc.accum_steps)]
-        tokens = torch.tensor([float(sum(b.tgt_tokens for b in batches))], device=self.device)
-        if self.dist.world_size > 1:
-            dist.all_reduce(tokens)
-        global_tokens = float(tokens.item())
-        # DDP averages gradients over processes: scale by world_size to get a global sum.
-        scale = self.dist.world_size / global_tokens
-        loss_sum = nll_sum = 0.0
-        self.optimizer.zero_grad(set_to_none=True)
-        self.compute_model.zero_grad(set_to_none=True)
-        for i, batch in enumerate(batches):
-            sync = i == len(batches) - 1
-            ctx = self.ddp_model.no_sync() if (self.dist.world_size > 1 and not sync) \
-                else contextlib.nullcontext()
-            with ctx, self._attention_backend():
-                loss, nll, scored = self._batch_loss(self.ddp_model, batch, grad_scale=scale)
-                loss.backward()  # the gradient of scale * loss (folded into the loss)
-            if scored != batch.tgt_tokens:  # a gold token with a -inf output bias
-                raise ValueError(f"{batch.tgt_tokens - scored} target tokens of a training "
-                                 "batch are outside the model's output vocabulary "
-                                 "(model.output_vocab); they cannot be learned")
-            loss_sum += float(loss.detach())
-            nll_sum += float(nll)
-        figures = torch.tensor([loss_sum, nll_sum], device=self.device)
-        if self.dist.world_size > 1:
-            dist.all_reduce(figures)
-        loss_tok, nll_tok = (figures / global_tokens).tolist()
-        if self.compute_model is not self.model:  # bf16 gradients -> float32 master grads
-            for master, work in zip(self.model.parameters(), self.compute_model.parameters()):
-                master.grad = None if work.grad is None else work.grad.float()
-        # One fused norm over all gradients (already averaged across processes by DDP, so
-        # every process sees the same value) both detects non-finite gradients and clips.
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        total_norm = nn.utils.get_total_norm(grads)
-        grad_norm = float(total_norm)
-        if not (math.isfinite(loss_tok) and math.isfinite(grad_norm)):
-            return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "skipped": 1.0}
-        if self.tc.clip_norm > 0:
-            nn.utils.clip_grads_with_norm_(grads, self.tc.clip_norm, total_norm)
-        lr = scheduled_lr(self.tc, self.config.model.d_model, self.state.step + 1,
-                          self.state.elapsed_s)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self._sync_compute_weights()
-        if self.ema is not None:
-            self.ema.update_parameters(self.model)
-        self.state.step += 1
-        self.state.target_tokens += int(global_tokens)
-        return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "lr": lr,
-                "grad_norm": grad_norm, "skipped": 0.0}
+        batches = [self.next_batch() for _ in range(self.tc.accum_steps)]
+        return update.train_step(
+            self.ddp_model, batches, self.batch_loss, self.optimizer, self.mixed, self.state,
+            tc=self.tc, d_model=self.config.model.d_model, info=self.dist, device=self.device,
+            ema=self.ema, attention=self._attention_backend)
 
     def release_process_group(self) -> None:
         """Drop the DDP wrapper, whose reducer holds the process group; call it before
@@ -517,15 +328,6 @@ class Trainer:
         processes."""
         self.ddp_model = self.compute_model
         gc.collect()
-
-    @torch.no_grad()
-    def _sync_compute_weights(self) -> None:
-        """Copy the float32 master weights into the bf16 compute copy (bf16-weights)."""
-        if self.compute_model is self.model:
-            return
-        for master, work in zip(self.model.parameters(), self.compute_model.parameters()):
-            work.copy_(master)
-            work.grad = None
 
     def save(self, reason: str = "periodic") -> Path | None:
         """Write ``checkpoints/step-N`` (main process) and prune to ``keep_last``. Weights that
@@ -565,7 +367,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Validation figures of the current weights (see :func:`validation_figures`)."""
-        return validation_figures(self.model, self._batch_loss, self.config, self.vocab,
+        return validation_figures(self.model, self.batch_loss, self.config, self.vocab,
                                   self.valid, self.valid_encoded, self.device,
                                   bf16=self.precision.uses_bf16)
 
@@ -589,7 +391,7 @@ class Trainer:
         # what ran, and the probe that chose it: a run's figures depend on it
         self.metrics.log({"kind": "precision", "step": s.step, **self.precision.to_dict()})
         bar = Progress(self.progress, tc.max_steps, tc.time_budget_s, s.step, s.elapsed_s)
-        window, last_valid, bad_in_a_row = Window(), {}, 0
+        self._window, last_valid, bad_in_a_row = Window(), {}, 0
         stop_reason = "max_steps"
         self._clock = time.monotonic()
         cpu_start = cpu_times()
@@ -599,27 +401,16 @@ class Trainer:
                     stop_reason = self._between_steps()
                     if stop_reason:
                         break
-                    fig = self.train_step()
+                    fig = self.train_step()  # §5: one update
                     self._tick()
-                    if fig["skipped"]:
+                    if fig["skipped"]:  # a non-finite loss or gradient: no update was made
                         bad_in_a_row += 1
                         s.nonfinite_total += 1
                         if bad_in_a_row > tc.max_nonfinite:
                             self._stop_nonfinite(bad_in_a_row)
                         continue
                     bad_in_a_row = 0
-                    window.add(fig)
-                    bar.update(s.step, s.elapsed_s)
-                    if s.step % tc.log_every_steps == 0 or s.step == 1:
-                        record = window.record(s.step, s.epoch, fig["lr"], s.elapsed_s,
-                                               s.nonfinite_total)
-                        self.metrics.log(record)
-                        shown = dict(step=s.step, loss=f"{record['loss']:.3f}",
-                                     lr=f"{fig['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-                        if record.get("cpu_steal_pct", 0.0) >= 5.0:  # a shared host is slow
-                            shown["steal"] = f"{record['cpu_steal_pct']:.0f}%"
-                        bar.update(s.step, s.elapsed_s, **shown)
-                        window = Window()
+                    self._log(fig, bar)
                     if s.step % tc.eval_every_steps == 0:
                         last_valid = self._evaluate_and_track()
                     if tc.checkpoint_every_steps and s.step % tc.checkpoint_every_steps == 0:
@@ -633,6 +424,29 @@ class Trainer:
         finally:
             bar.close()
             self.metrics.close()
+        return self._summary(stop_reason, last_valid, cpu_start)
+
+    def _log(self, fig: dict[str, float], bar: Progress) -> None:
+        """Add an update's figures to the window; every ``log_every_steps`` (and at step 1),
+        log the window's record and show it on the progress bar."""
+        s = self.state
+        self._window.add(fig)
+        bar.update(s.step, s.elapsed_s)
+        if s.step % self.tc.log_every_steps != 0 and s.step != 1:
+            return
+        record = self._window.record(s.step, s.epoch, fig["lr"], s.elapsed_s, s.nonfinite_total)
+        self.metrics.log(record)
+        shown = dict(step=s.step, loss=f"{record['loss']:.3f}", lr=f"{fig['lr']:.2e}",
+                     tok_s=f"{record['tokens_per_s']:.0f}")
+        if record.get("cpu_steal_pct", 0.0) >= 5.0:  # a shared host is slow
+            shown["steal"] = f"{record['cpu_steal_pct']:.0f}%"
+        bar.update(s.step, s.elapsed_s, **shown)
+        self._window = Window()
+
+    def _summary(self, stop_reason: str, last_valid: dict[str, float],
+                 cpu_start: tuple[int, int] | None) -> dict[str, Any]:
+        """The run's summary, written to ``RUN/train_summary.json`` by the main process."""
+        s = self.state
         summary = {
             "steps": s.step, "epochs": s.epoch, "elapsed_s": round(s.elapsed_s, 1),
             "stop_reason": stop_reason, "target_tokens": s.target_tokens,
@@ -641,7 +455,7 @@ class Trainer:
             "precision": self.precision.to_dict(),
         }
         steal = steal_percent(cpu_start, cpu_times())
-        if steal is not None:  # over this call's wall time (validation included)
+        if steal is not None:  # over the fit's wall time (validation included)
             summary["cpu_steal_pct"] = round(steal, 1)
         if self.dist.is_main:
             write_json_atomic(self.run_dir / "train_summary.json", summary)
@@ -658,8 +472,8 @@ class Trainer:
         main process decides (clocks and signals differ by rank), in one broadcast."""
         tc, s = self.tc, self.state
         # the main process's clock, so that a time-aware schedule gives every process one lr
-        s.elapsed_s, (stop, budget, early, due) = self._agree(
-            s.elapsed_s,
+        s.elapsed_s, (stop, budget, early, due) = main_decides(
+            self.dist, self.device, s.elapsed_s,
             self._stop_signal is not None,
             bool(tc.time_budget_s) and s.elapsed_s >= tc.time_budget_s,
             bool(tc.early_stopping_patience) and s.evals_since_best >= tc.early_stopping_patience,
@@ -706,18 +520,6 @@ class Trainer:
         finally:
             for sig, h in old.items():
                 signal.signal(sig, h)
-
-    def _agree(self, elapsed_s: float, *decisions: bool) -> tuple[float, tuple[bool, ...]]:
-        """The main process's training seconds and decisions, shared with all in one
-        broadcast on the training device (NCCL reduces and broadcasts only tensors on the
-        GPU)."""
-        if self.dist.world_size == 1:
-            return elapsed_s, tuple(bool(d) for d in decisions)
-        values = torch.tensor([elapsed_s, *(1.0 if d else 0.0 for d in decisions)],
-                              dtype=torch.float64, device=self.device)
-        dist.broadcast(values, src=0)
-        got = values.tolist()
-        return got[0], tuple(bool(f) for f in got[1:])
 
     def _evaluate_and_track(self) -> dict[str, float]:
         """Validate (main process), keep ``best/``, count evaluations without improvement."""
