@@ -4,6 +4,7 @@ slices of the real corpora."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from nltk.tree import Tree
@@ -36,7 +37,11 @@ def test_table3_runs_scores_and_resumes(data_dir, tmp_path, capsys):
     assert rows[1]["N"] == 1 and rows[0]["N"] == 2  # tiny's N = 2, scaled by 2/6
     assert rows[2]["attention_window"] == 3 and rows[0]["attention_window"] is None
     for r in rows:
-        assert r["steps"] > 0 and r["dev_ppl"] > 1 and 0 <= r["dev_bleu"] <= 100
+        # perplexity per subword: e to the row's own validation nll
+        nll = json.loads((out / "rows" / r["row"] / "train_summary.json").read_text())[
+            "valid_nll"]
+        assert r["dev_ppl"] == pytest.approx(math.exp(nll), abs=1e-3)
+        assert r["steps"] > 0 and r["bleu_signature"].startswith("nrefs:1|")
         assert r["dev_bleu_sentences"] == 8 and r["parameters"] > 0
     assert rows[1]["parameters"] < rows[0]["parameters"]
     table = (out / "table3.md").read_text()
@@ -99,7 +104,13 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
                  "--limit", "6", "--no-progress", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["sentences"] == 6 and res["repaired"] == 0 and res["constrained"]
-    assert 0 <= res["model"]["f1"] <= 100 and res["right_branching"]["f1"] > 0
+    for name in ("model", "right_branching"):  # F1 is the harmonic mean of P and R
+        s = res[name]
+        p, r = s["matched"] / s["test_brackets"], s["matched"] / s["gold_brackets"]
+        f1 = 200 * p * r / (p + r) if p + r else 0.0
+        assert s["f1"] == pytest.approx(f1, abs=0.01) and s["precision"] == \
+            pytest.approx(100 * p, abs=0.01)
+    assert res["right_branching"]["f1"] > 0
     assert res["right_branching"]["gold_brackets"] == res["model"]["gold_brackets"] > 0
     words = [line.split() for line in (data / "test.src").read_text().splitlines()][:6]
     parsed = (run / "test.parsed").read_text().splitlines()

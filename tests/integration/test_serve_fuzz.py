@@ -15,11 +15,9 @@ What was sent, by model, operation and status, is written to
 ``test-artifacts/serve_fuzz.json``. A failure prints the request as a curl command; rerun with
 the seed pytest prints (``--hypothesis-seed=N``).
 
-Known server faults have their own tests at the end, marked ``xfail(strict=True)`` until the
-server is fixed: a lone surrogate answers 500 (the fuzzing cannot reach it: Hypothesis' text
-never holds one), an /attention text that the model's preprocessing empties answers 500, and a
-body that is not UTF-8 answers 400. The fuzz tests let exactly the last two pass
-(:func:`known_fault`, counted apart in the report), so that they keep looking for others.
+The faults this fuzzing found have their own tests at the end, now that the server is fixed:
+a lone surrogate (which Hypothesis' text never holds) and an /attention text that the model's
+preprocessing empties answered 500, a body that is not UTF-8 answered 400; each answers 422.
 """
 
 from __future__ import annotations
@@ -133,28 +131,8 @@ def server(request):
     _write_report(_SECONDS)
 
 
-def known_fault(case, response, translator) -> str | None:
-    """What known server fault ``response`` shows (each has an xfail test at the end of this
-    file), or None. Narrow on purpose: anything else still fails the test."""
-    body = response.request.body
-    if response.status_code == 400 and isinstance(body, bytes):
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError:
-            return "400 for a body that is not UTF-8"
-    if (response.status_code == 500 and case.path == "/attention"
-            and isinstance(case.body, dict)):
-        for side, key in (("src", "source"), ("tgt", "target")):
-            text = case.body.get(key)
-            if (isinstance(text, str) and text.strip()
-                    and not translator.preprocess([text], side)[0].strip()):
-                return "500 for an /attention text that preprocessing empties"
-    return None
-
-
 def call(case, server, label: str):
-    """Send ``case``, count its answer under ``label``, run the checks; the response, or None
-    for a known fault."""
+    """Send ``case``, count its answer under ``label``, run the checks; the response."""
     preprocess, url, translator = server
     label = f"{preprocess}: {label}"
     try:
@@ -163,11 +141,8 @@ def call(case, server, label: str):
         with _lock:
             SENT[label][f"no answer: {type(err).__name__}"] += 1
         raise
-    fault = known_fault(case, response, translator)
     with _lock:
-        SENT[label][f"known fault: {fault}" if fault else response.status_code] += 1
-    if fault:
-        return None
+        SENT[label][response.status_code] += 1
     case.validate_response(response, checks=[not_a_server_error, max_response_time])
     return response
 
@@ -177,8 +152,6 @@ def call(case, server, label: str):
           suppress_health_check=list(HealthCheck))
 def test_no_server_error_and_no_hang(case, server):
     response = call(case, server, f"{case.method} {case.path}")
-    if response is None:
-        return
     in_schema = case.method.lower() in OPENAPI["paths"].get(case.path, {})
     accepted = DOCUMENTED if in_schema else WRONG_PATH_OR_METHOD
     assert response.status_code in accepted, (
@@ -194,15 +167,14 @@ def test_valid_requests_are_answered(case, server):
     (nbest over the beam, a line that is only spaces: 422; a line over the model's max_len or
     max_attention_tokens in subwords: 413)."""
     response = call(case, server, f"{case.method} {case.path} (within limits)")
-    if response is None:
-        return
     assert response.status_code in {200, 413, 422}, (
         f"{case.method} {case.path} answered {response.status_code}: {response.text[:300]}\n"
         f"{case.as_curl_command(base_url=server[1])}")
 
 
-# Faults found by fuzzing by hand; each test says what the server should do. Once one passes
-# (the server fixed), its xfail turns into a failure: remove the mark, and the 400 allowance above.
+# Faults the fuzzing found (500s for a lone surrogate and for an /attention text that the
+# model's preprocessing empties; 400 for a body that is not UTF-8), each fixed: what the server
+# answers now.
 
 @pytest.fixture(scope="module")
 def plain_url():
@@ -216,8 +188,6 @@ def moses_url():
         yield url
 
 
-@pytest.mark.xfail(strict=True, reason="server bug: a lone surrogate (\\ud800, valid JSON) "
-                   "reaches the tokenizer, whose TypeError answers 500")
 @pytest.mark.parametrize("path, body", [
     ("/translate", '{"lines": ["a \\ud800 b"]}'),
     ("/attention", '{"source": "\\ud800"}'),
@@ -229,8 +199,6 @@ def test_422_for_a_lone_surrogate(plain_url, path, body):
     assert r.status_code == 422, r.text
 
 
-@pytest.mark.xfail(strict=True, reason="server gap: a body that is not UTF-8 answers 400 "
-                   "'There was an error parsing the body' (starlette's), not the documented 422")
 @pytest.mark.parametrize("path", ["/translate", "/attention"])
 def test_422_for_a_body_that_is_not_utf8(plain_url, path):
     r = httpx.post(plain_url + path, content=b'{"lines": ["\xff"]}', timeout=REQUEST_TIMEOUT_S,
@@ -238,10 +206,6 @@ def test_422_for_a_body_that_is_not_utf8(plain_url, path):
     assert r.status_code == 422, r.text
 
 
-@pytest.mark.xfail(strict=True, reason="server bug: /attention checks that source and target "
-                   "are not blank as sent, not as the model reads them; a text that the "
-                   "model's preprocessing empties (control characters under lc-norm-tok) "
-                   "reaches Translator.attention, whose ValueError answers 500")
 @pytest.mark.parametrize("body", [{"source": "\u0001\u0016"},
                                   {"source": "a dog", "target": "\u0001"}],
                          ids=["source", "target"])

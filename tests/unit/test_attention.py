@@ -12,6 +12,12 @@ import re
 import pytest
 import torch
 
+import sys
+from pathlib import Path as _Path
+
+sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+from figures import assert_drawn  # noqa: E402
+
 from aiayn.checkpoint import save_checkpoint
 from aiayn.cli import main
 from aiayn.config import load_config
@@ -131,7 +137,7 @@ def test_cli_draws_both_styles_and_writes_json(checkpoint, tmp_path, capsys):
                "--target", "Zwei Hunde spielen.", "--kind", "cross", "--layer", "1",
                "-o", str(lines_png), "--json"])
     assert rc == 0
-    assert lines_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert_drawn(lines_png)
     data = json.loads(capsys.readouterr().out)
     att = data["attention"]["cross"]
     assert att["shape"] == [2, 4, len(data["target_outputs"]), len(data["source_tokens"])]

@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from aiayn.cli.plot import plot_run, read_metrics
+import sys
+from pathlib import Path as _Path
 
-PNG = b"\x89PNG\r\n\x1a\n"
+sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
+from figures import assert_drawn  # noqa: E402
+
+from aiayn.cli.plot import plot_run, read_metrics  # noqa: E402
+
 
 
 def write_metrics(run: Path, steps: int, scale: float) -> None:
@@ -31,7 +36,7 @@ def write_metrics(run: Path, steps: int, scale: float) -> None:
 def test_a_run_and_an_ensemble_are_plotted(tmp_path: Path) -> None:
     single = tmp_path / "single"
     write_metrics(single, 100, 1.0)
-    assert plot_run(single).read_bytes()[:8] == PNG
+    assert_drawn(plot_run(single))
 
     ens = tmp_path / "ens"
     ens.mkdir()
@@ -39,7 +44,8 @@ def test_a_run_and_an_ensemble_are_plotted(tmp_path: Path) -> None:
     write_metrics(ens / "member-1", 100, 1.0)
     write_metrics(ens / "member-2", 80, 1.2)
     out = plot_run(ens, tmp_path / "both.png")
-    assert out == tmp_path / "both.png" and out.read_bytes()[:8] == PNG
+    assert out == tmp_path / "both.png"
+    assert_drawn(out)
 
     # every member is read: one missing is named, not skipped
     (ens / "member-2" / "metrics.jsonl").unlink()

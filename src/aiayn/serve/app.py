@@ -31,6 +31,7 @@ from importlib import resources
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from aiayn.serve.batcher import Batcher, QueueFullError, ShuttingDownError
@@ -232,6 +233,15 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     async def _invalid(request: Request, err: RequestValidationError):
         return JSONResponse({"detail": _validation_detail(err)}, status_code=422)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException):
+        # a body FastAPI cannot parse (not UTF-8 JSON) is a bad request like any other: 422
+        if err.status_code == 400:
+            return JSONResponse({"detail": "invalid request: the body is not JSON in UTF-8"},
+                                status_code=422)
+        return JSONResponse({"detail": err.detail}, status_code=err.status_code,
+                            headers=getattr(err, "headers", None))
+
     def search_settings(beam: int | None, alpha: float | None, nbest: int = 1):
         beam = decode.beam_size if beam is None else beam
         alpha = decode.alpha if alpha is None else alpha
@@ -244,7 +254,14 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
         return beam, alpha, nbest
 
     def check_chars(text: str, what: str) -> None:
-        """``text`` as sent: bounded before any work is done on it."""
+        """``text`` as sent: bounded before any work is done on it, and Unicode that UTF-8
+        can carry (JSON's \\ud800 escapes a lone surrogate, which no tokenizer takes)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise HTTPException(422, f"{what} is not valid Unicode: a lone surrogate "
+                                     f"{text[err.start]!r} at character {err.start + 1}"
+                                     ) from None
         if len(text) > limits.max_chars:
             raise HTTPException(413, f"{what} has {len(text)} characters; at most "
                                      f"{limits.max_chars} are accepted")
@@ -303,11 +320,17 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
             raise HTTPException(422, "target is empty: leave it out to use the model's output")
         check_chars(req.source, "source")
         source = translator.preprocess([req.source])[0]
+        if not source.strip():  # e.g. control characters only, which Moses drops
+            raise HTTPException(422, "source is empty as the model reads it (after its "
+                                     f"{config.data.preprocess} preprocessing)")
         check_tokens(source, "source", limits.max_attention_tokens)
         target = None
         if req.target is not None:
             check_chars(req.target, "target")
             target = translator.preprocess([req.target], "tgt")[0]
+            if not target.strip():
+                raise HTTPException(422, "target is empty as the model reads it (after its "
+                                         f"{config.data.preprocess} preprocessing)")
             check_tokens(target, "target", limits.max_attention_tokens)
         beam, alpha, _ = search_settings(req.beam, req.alpha)
         # the model's own output may be longer than the bound on what a client may send
