@@ -45,7 +45,7 @@ from pathlib import Path
 
 import httpx
 
-from aiayn.serve.loadtest import serve_child
+from aiayn.serve.loadtest import percentile, serve_child
 
 WORDS = ["a", "man", "in", "red", "shirt", "rides", "bike", "two", "dogs", "play", "the", "snow",
          "woman", "with", "large", "purse", "is", "walking", "by", "gate", "children", "are",
@@ -120,13 +120,6 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
-
-
 @dataclasses.dataclass
 class Tally:
     """What one phase of the load saw (guarded by ``lock``)."""
@@ -139,17 +132,17 @@ class Tally:
     unexpected: list = dataclasses.field(default_factory=list)  # first few odd answers
 
     def summary(self, seconds: float) -> dict:
-        lat = self.latencies_ms
+        lat = sorted(self.latencies_ms)
         return {"requests": self.sent, "seconds": round(seconds, 1),
                 "requests_per_s": round(self.sent / seconds, 1) if seconds else None,
                 "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
                 "by_path": {p: {str(k): v for k, v in sorted(c.items())}
                             for p, c in sorted(self.by_path.items())},
                 "dropped": sum(self.dropped.values()), "dropped_by_error": dict(self.dropped),
-                "latency_ms": {"p50": _ms(percentile(lat, 0.5)),
-                               "p95": _ms(percentile(lat, 0.95)),
-                               "p99": _ms(percentile(lat, 0.99)),
-                               "max": _ms(max(lat) if lat else None)},
+                "latency_ms": {"p50": _ms(percentile(lat, 0.5) if lat else None),
+                               "p95": _ms(percentile(lat, 0.95) if lat else None),
+                               "p99": _ms(percentile(lat, 0.99) if lat else None),
+                               "max": _ms(lat[-1] if lat else None)},
                 "unexpected": self.unexpected}
 
 

@@ -39,8 +39,8 @@ import torch
 from aiayn.config import Config, DecodeConfig
 from aiayn.errors import ConfigError, UserError
 
-__all__ = ["GENERATION_CONFIG", "Translator", "read_generation_config",
-           "write_generation_config"]
+__all__ = ["GENERATION_CONFIG", "Pretrained", "Translator", "load_pretrained",
+           "read_generation_config", "write_generation_config"]
 
 GENERATION_CONFIG = "generation_config.json"
 """The file in a run directory that makes it a model: which checkpoints decode together and
@@ -188,6 +188,63 @@ def _resolve(path: Path, say: Callable[[str], None]) -> tuple[list[Path | str], 
     return found, {}
 
 
+@dataclasses.dataclass
+class Pretrained:
+    """What :func:`load_pretrained` found: the models (eval mode, on the device), the first
+    one's config, the shared vocabulary, where each came from, and the run's generation record
+    ({} without one)."""
+
+    models: list
+    config: Config
+    vocab: Any
+    sources: list[str]
+    record: dict
+
+
+def load_pretrained(path: str | Path | Sequence[str | Path], device: torch.device,
+                    warn: Callable[[str], None]) -> Pretrained:
+    """Load what :meth:`Translator.from_pretrained` takes (see the module's docstring) onto
+    ``device``; ``warn`` receives what loading has to say. Also the loader of
+    ``aiayn train --init-from``.
+
+    Raises:
+        UserError: a path that is none of these (naming it and what was expected); ensemble
+            members with different vocabularies or kinds of text (naming them); weights that
+            do not fit their config.
+    """
+    from aiayn.checkpoint import load_checkpoint
+
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
+    if not paths:
+        raise UserError("no model path given")
+    found: list[Path | str] = []
+    record: dict = {}
+    for p in paths:
+        members, rec = _resolve(Path(p), warn)
+        found += members
+        record = record or rec
+    loaded = []
+    for f in found:
+        if isinstance(f, str) and f.startswith("marian:"):
+            from aiayn.interop.marian import import_hf
+
+            model, config, vocab = import_hf(f.removeprefix("marian:"))
+            loaded.append((model.to(device), config, vocab))
+        else:
+            loaded.append(load_checkpoint(f, device=device))
+    _, config, vocab = loaded[0]
+    for f, (_, other, other_vocab) in zip(found[1:], loaded[1:]):
+        if other_vocab.fingerprint != vocab.fingerprint:
+            raise UserError(f"{f}: its vocabulary differs from {found[0]}'s; an ensemble "
+                            "needs models trained on one vocabulary")
+        if other.data.preprocess != config.data.preprocess:
+            raise UserError(f"{f}: it reads data.preprocess = {other.data.preprocess!r} "
+                            f"text, {found[0]} {config.data.preprocess!r}; an ensemble "
+                            "needs one kind of text")
+    return Pretrained([m for m, _, _ in loaded], config, vocab,
+                      [str(f).removeprefix("marian:") for f in found], record)
+
+
 class Translator:
     """Raw text in, a model (or an ensemble), text out.
 
@@ -199,7 +256,8 @@ class Translator:
 
     Args:
         models: a :class:`~aiayn.model.Transformer` or a list of them (an ensemble: one
-            vocabulary, one kind of text); moved to ``device`` and put in eval mode.
+            vocabulary, one kind of text); moved to ``device``. Each is decoded in eval mode
+            and left in the mode it came in.
         vocab: the shared vocabulary.
         config: the (first) model's run :class:`~aiayn.config.Config` (its ``data.preprocess``,
             ``decode`` and ``train.precision`` matter here); default: the model's own
@@ -214,7 +272,7 @@ class Translator:
 
     Raises:
         ValueError: an empty ensemble; members with different output vocabularies or start
-            tokens.
+            tokens (:func:`aiayn.decoding.check_ensemble`).
     """
 
     def __init__(self, models, vocab, *, config: Config | None = None,
@@ -225,19 +283,14 @@ class Translator:
         from aiayn.devices import choose_device
         from aiayn.precision import choose_precision, default_decoding_precision
 
+        from aiayn.decoding import check_ensemble
+
         models = list(models) if isinstance(models, (list, tuple)) else [models]
-        if not models:
-            raise ValueError("Translator needs at least one model")
-        sizes = sorted({m.tgt_embed.weight.shape[0] for m in models})
-        if len(sizes) > 1:
-            raise ValueError(f"ensemble members have different output vocabularies ({sizes} "
-                             "tokens); an ensemble needs models trained on one vocabulary")
-        starts = sorted({m.config.decoder_start_id for m in models})
-        if len(starts) > 1:
-            raise ValueError(f"ensemble members start decoding from different tokens {starts}")
-        self.device = choose_device(device) if device is not None else \
-            next(models[0].parameters()).device
+        if models:
+            self.device = choose_device(device) if device is not None else \
+                next(models[0].parameters()).device
         self.models = [m.to(self.device) for m in models]  # decoded in eval mode, mode kept
+        check_ensemble(self.models)
         self.config = config or Config(name="in-memory", model=models[0].config)
         config = self.config
         self.vocab = vocab
@@ -267,43 +320,15 @@ class Translator:
                 ensemble members with different vocabularies or kinds of text (naming them);
                 weights that do not fit their config.
         """
-        from aiayn.checkpoint import load_checkpoint
         from aiayn.devices import choose_device
 
-        say = warn or logger.warning
-        paths = [path] if isinstance(path, (str, Path)) else list(path)
-        if not paths:
-            raise UserError("Translator.from_pretrained: no path given")
         dev = choose_device(device)
-        found: list[Path | str] = []
-        record: dict = {}
-        for p in paths:
-            members, rec = _resolve(Path(p), say)
-            found += members
-            record = record or rec
-        loaded = []
-        for f in found:
-            if isinstance(f, str) and f.startswith("marian:"):
-                from aiayn.interop.marian import import_hf
-
-                model, config, vocab = import_hf(f.removeprefix("marian:"))
-                loaded.append((model.to(dev), config, vocab))
-            else:
-                loaded.append(load_checkpoint(f, device=dev))
-        _, config, vocab = loaded[0]
-        for f, (_, other, other_vocab) in zip(found[1:], loaded[1:]):
-            if other_vocab.fingerprint != vocab.fingerprint:
-                raise UserError(f"{f}: its vocabulary differs from {found[0]}'s; an ensemble "
-                                "needs models trained on one vocabulary")
-            if other.data.preprocess != config.data.preprocess:
-                raise UserError(f"{f}: it reads data.preprocess = {other.data.preprocess!r} "
-                                f"text, {found[0]} {config.data.preprocess!r}; an ensemble "
-                                "needs one kind of text")
-        decode = record.get("decode", config.decode) if record else config.decode
+        loaded = load_pretrained(path, dev, warn or logger.warning)
+        record = loaded.record
+        decode = record.get("decode", loaded.config.decode)
         precision = precision or record.get("precision")  # the run's own, else the model's rule
-        return cls([m for m, _, _ in loaded], vocab, config=config, decode=decode, device=dev,
-                   precision=precision, source=[str(f).removeprefix("marian:") for f in found],
-                   warn=warn)
+        return cls(loaded.models, loaded.vocab, config=loaded.config, decode=decode, device=dev,
+                   precision=precision, source=loaded.sources, warn=warn)
 
     # --- what it decodes with ---------------------------------------------------------------
     @property
@@ -369,10 +394,6 @@ class Translator:
         warn = warn or self.warn
         decode = self.search(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                              max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
-        if nbest > 1 and (decode.beam_size == 1 or sampling is not None):
-            raise ConfigError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
-        if not 1 <= nbest <= decode.beam_size and sampling is None:
-            raise ConfigError(f"nbest must be in [1, beam_size={decode.beam_size}], got {nbest}")
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
         return translate_nbest(self.models, self.vocab, text, decode, nbest=nbest,
                                sampling=sampling, bf16=self.precision.uses_bf16,
@@ -391,20 +412,29 @@ class Translator:
     @torch.inference_mode()
     def score(self, sources: list[str], targets: list[str], *, preprocessed: bool = False,
               batch_size: int | None = None) -> list[float]:
-        """log P(target | source) of each pair under the model (natural log, summed over the
-        target's subword tokens and EOS; an ensemble's per-token probability is the mean of
-        its members').
+        """log P(target | source) of each pair under the model, teacher-forced from the
+        start token (§3: the decoder input is the target shifted right).
+
+        Args:
+            sources, targets: N sentences each, raw (or the model's text with
+                ``preprocessed``).
+            batch_size: pairs per forward pass (default: ``decode_config.batch_size``).
+
+        Returns:
+            N floats: natural-log probabilities, summed over each target's subword tokens and
+            its EOS (so <= 0); for an ensemble, each token's probability is the mean of its
+            members'.
 
         Raises:
-            ValueError: ``sources`` and ``targets`` of different lengths, an empty target, or
-                a sentence longer than the model's ``max_len``.
+            ValueError: ``sources`` and ``targets`` of different lengths, or an empty target.
+            aiayn.decoding.InputTooLongError: a sentence longer than the model's ``max_len``.
         """
         import math
 
         import torch.nn.functional as F
 
         from aiayn.data.batching import pad_sources
-        from aiayn.data.vocab import EOS_ID, PAD_ID
+        from aiayn.data.vocab import PAD_ID
         from aiayn.decoding import encode_sources
 
         if len(sources) != len(targets):
@@ -413,15 +443,10 @@ class Translator:
             sources, targets = self.preprocess(sources), self.preprocess(targets, "tgt")
         max_len = min(m.config.max_len for m in self.models)
         src_ids = encode_sources(self.vocab, list(sources), max_len, long_inputs="error")
-        tgt_ids = []
-        for n, t in enumerate(targets, 1):
-            ids = self.vocab.encode(t) + [EOS_ID]
-            if len(ids) == 1:
-                raise ValueError(f"score: target {n} is empty")
-            if len(ids) > max_len:
-                raise ValueError(f"score: target {n} has {len(ids)} tokens with </s>, more "
-                                 f"than the model's max_len={max_len}")
-            tgt_ids.append(ids)
+        tgt_ids = encode_sources(self.vocab, list(targets), max_len, long_inputs="error")
+        empty = [n for n, ids in enumerate(tgt_ids, 1) if len(ids) == 1]
+        if empty:
+            raise ValueError(f"score: target {empty[0]} is empty")
         out: list[float] = []
         step = batch_size or self._decode.batch_size
         for i in range(0, len(src_ids), step):

@@ -544,8 +544,8 @@ models (raw text and `lc-norm-tok`). It covers valid and invalid bodies, and oth
 each path, with at most 30 generated examples per operation.
 - Every answer must be documented (200, 413, 422, 429, 503; 404/405 for a wrong path or
   method), never a 5xx, within 5 s.
-- A run sends 522 requests in about 20 s on 2 cores. The last one answered 143 × 200, 70 × 405,
-  25 × 413 and 284 × 422.
+- A run sends 522 requests in about 20 s on the bf16 class (AMD EPYC, 2 cores). The last one
+  answered 143 × 200, 70 × 405, 25 × 413 and 284 × 422.
 - It found three faults, now fixed and kept as tests. A lone surrogate (`"\\ud800"`, valid
   JSON) answered 500. An `/attention` text that the model's preprocessing empties (control
   characters under `lc-norm-tok`) answered 500. A body that is not UTF-8 answered 400. Each

@@ -198,9 +198,11 @@ def run(args: argparse.Namespace) -> int:
                                                  precision=decode_precision)
 
     def translate(translator: Translator, lines: list[str], alpha: float) -> list[str]:
-        """``lines`` of the corpus (the model's text already), beam search with ``alpha``."""
-        return translator.translate(lines, alpha=alpha, preprocessed=True,
-                                    progress=not args.no_progress and not args.json)
+        """``lines`` of the corpus (the model's text already), beam search as the job's
+        ``decode`` says (the settings the test set gets too), with ``alpha``."""
+        search = dataclasses.asdict(dataclasses.replace(dc, alpha=alpha))
+        return translator.translate(lines, preprocessed=True,
+                                    progress=not args.no_progress and not args.json, **search)
 
     def bleu_of(hyps: list[str], refs: list[str]) -> float:
         """The job's headline BLEU: the Multi30k protocol on Multi30k (``refs`` already in

@@ -15,6 +15,7 @@ from aiayn.decoding.search import (
 from aiayn.decoding.translate import (
     InputTooLongError,
     Translation,
+    check_ensemble,
     encode_sources,
     translate_nbest,
 )
@@ -22,6 +23,6 @@ from aiayn.decoding.translate import (
 __all__ = [
     "CachedStep", "EnsembleStep", "Hypothesis", "InputTooLongError", "SamplingConfig",
     "StepFunction",
-    "Translation", "UncachedStep", "beam_search", "encode_sources", "greedy_search",
-    "length_penalty", "max_output_lengths", "translate_nbest",
+    "Translation", "UncachedStep", "beam_search", "check_ensemble", "encode_sources",
+    "greedy_search", "length_penalty", "max_output_lengths", "translate_nbest",
 ]

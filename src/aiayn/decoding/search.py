@@ -400,20 +400,18 @@ class EnsembleStep:
     search's log-softmax leaves it unchanged. A token that one member forbids (-inf) keeps the
     others' probability, weighted 1/M. ``select`` reorders every member's rows alike.
 
+    The members share one start token (:func:`aiayn.decoding.check_ensemble` refuses models
+    that do not); the first one's is the ensemble's.
+
     Raises:
-        ValueError: no members, members whose vocabularies differ in size, or members that
-            start decoding from different tokens.
+        ValueError: no members, or members whose vocabularies differ in size.
     """
 
     def __init__(self, steps: list[StepFunction]) -> None:
         if not steps:
             raise ValueError("EnsembleStep needs at least one step function")
-        starts = sorted({step.start_id for step in steps})
-        if len(starts) > 1:
-            raise ValueError(f"ensemble members start decoding from different tokens {starts} "
-                             "(decoder_start_id); an ensemble needs one")
         self.steps = list(steps)
-        self.start_id = starts[0]
+        self.start_id = steps[0].start_id
 
     def __call__(self, tokens: Tensor) -> Tensor:
         logp = [F.log_softmax(step(tokens).float(), dim=-1) for step in self.steps]

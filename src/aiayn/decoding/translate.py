@@ -27,7 +27,7 @@ from aiayn.decoding.search import (
     max_output_lengths,
 )
 from aiayn.config import DecodeConfig
-from aiayn.errors import UserError
+from aiayn.errors import ConfigError, UserError
 
 
 @dataclass(frozen=True)
@@ -124,13 +124,15 @@ def translate_nbest(
 
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
-        ValueError: bad search settings; an empty ensemble, or members with different output
-            vocabulary sizes, start tokens or devices.
+        aiayn.errors.ConfigError: an ``nbest`` the search cannot give (a ``ValueError``).
+        ValueError: bad search settings; an ensemble :func:`check_ensemble` refuses.
     """
     if nbest > 1 and (decode.beam_size == 1 or sampling is not None):
-        raise ValueError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
+        raise ConfigError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
+    if not 1 <= nbest <= decode.beam_size and sampling is None:
+        raise ConfigError(f"nbest must be in [1, beam_size={decode.beam_size}], got {nbest}")
     models = list(model) if isinstance(model, Sequence) else [model]
-    _check_ensemble(models)
+    check_ensemble(models)
     was_training = [m.training for m in models]
     for m in models:
         m.eval()  # no dropout while decoding; the caller's mode is restored below
@@ -142,13 +144,23 @@ def translate_nbest(
             m.train(mode)
 
 
-def _check_ensemble(models: list) -> None:
+def check_ensemble(models: list) -> None:
+    """Refuse models that cannot decode together: none at all, or members with different
+    output vocabularies, start tokens (``decoder_start_id``) or devices.
+
+    Raises:
+        ValueError: naming what differs.
+    """
     if not models:
-        raise ValueError("translate_nbest: an ensemble needs at least one model")
+        raise ValueError("an ensemble needs at least one model")
     sizes = [m.tgt_embed.weight.shape[0] for m in models]
     if len(set(sizes)) > 1:
         raise ValueError(f"ensemble members have different output vocabularies ({sizes} "
                          "tokens); an ensemble needs models trained on one vocabulary")
+    starts = [m.config.decoder_start_id for m in models]
+    if len(set(starts)) > 1:
+        raise ValueError(f"ensemble members start decoding from different tokens {starts} "
+                         "(decoder_start_id); an ensemble needs one")
     devices = [str(next(m.parameters()).device) for m in models]
     if len(set(devices)) > 1:
         raise ValueError(f"ensemble members are on different devices: {devices}")

@@ -99,7 +99,9 @@ class LoadReport:
                 f"{codes}" + (f"; no answer: {self.errors}" if self.errors else ""))
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q``-quantile (0..1) of ascending ``sorted_values``, nearest rank; NaN when
+    empty."""
     if not sorted_values:
         return float("nan")
     i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
@@ -150,6 +152,6 @@ async def _run(url, body, requests, concurrency, request_timeout_s) -> LoadRepor
         seconds = time.perf_counter() - start
     latencies.sort()
     return LoadReport(requests, concurrency, dict(statuses), dict(errors), seconds,
-                      len(latencies) / seconds, _percentile(latencies, 0.5),
-                      _percentile(latencies, 0.95), _percentile(latencies, 0.99),
+                      len(latencies) / seconds, percentile(latencies, 0.5),
+                      percentile(latencies, 0.95), percentile(latencies, 0.99),
                       latencies[-1] if latencies else float("nan"))

@@ -47,9 +47,9 @@ def init_distributed(device: torch.device) -> DistInfo:
 
 
 def sum_over_processes(values: list[float], info: DistInfo, device: torch.device) -> list[float]:
-    """``values`` summed over every process (all of them call it), as floats."""
-    t = torch.tensor(values, dtype=torch.float64 if device.type == "cpu" else torch.float32,
-                     device=device)
+    """``values`` summed over every process (all of them call it), as floats (float64 on the
+    wire: token counts and loss sums stay exact)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     if info.world_size > 1:
         dist.all_reduce(t)
     return t.tolist()

@@ -43,6 +43,8 @@ class MixedPrecision:
         return contextlib.nullcontext()
 
     def zero_grad(self) -> None:
+        """Drop the compute model's gradients (the master's are set by
+        :meth:`gradients_to_master`, or are the same tensors in fp32 and bf16 autocast)."""
         self.compute_model.zero_grad(set_to_none=True)
 
     def gradients_to_master(self) -> None:

@@ -8,17 +8,20 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from aiayn.checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint
 from aiayn.config import Config
-from aiayn.data.batching import Batch, EncodedCorpus, collate, make_batches
+from aiayn.data.batching import EncodedCorpus, collate, make_batches
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import cpu_times, steal_percent
+
+if TYPE_CHECKING:
+    from aiayn.training.step import BatchLoss
 
 
 class MetricsSink:
@@ -166,7 +169,6 @@ class Checkpointer:
         return found[-1] if found else None
 
 
-BatchLoss = Callable[[nn.Module, Batch], "tuple[torch.Tensor, torch.Tensor, int]"]
 
 
 @torch.no_grad()

@@ -121,19 +121,18 @@ def _initial_model(path: str | Path, config: Config, device: torch.device, log: 
     """
     import dataclasses
 
-    from aiayn.translator import Translator
+    from aiayn.model import Transformer
+    from aiayn.translator import load_pretrained
 
-    translator = Translator.from_pretrained(path, device=device, precision="fp32")
-    if len(translator.models) != 1:
-        raise UserError(f"--init-from {path}: an ensemble of {len(translator.models)}; "
+    loaded = load_pretrained(path, device, log)
+    if len(loaded.models) != 1:
+        raise UserError(f"--init-from {path}: an ensemble of {len(loaded.models)}; "
                         "fine-tuning starts from one model (name one member's checkpoint)")
-    source = translator.config
+    source, vocab = loaded.config, loaded.vocab
     dropout = {k: getattr(config.model, k) for k in RESUMABLE_MODEL_FIELDS}
     model_cfg = dataclasses.replace(source.model, **dropout)
-    from aiayn.model import Transformer
-
     model = Transformer(model_cfg).to(device)  # this run's dropout, the model's weights
-    model.load_state_dict(translator.models[0].state_dict())
+    model.load_state_dict(loaded.models[0].state_dict())
     data = config.data
     if data.preprocess != source.data.preprocess:
         log(f"aiayn train: --init-from {path} reads data.preprocess = "
@@ -143,14 +142,13 @@ def _initial_model(path: str | Path, config: Config, device: torch.device, log: 
         log(f"aiayn train: --init-from {path} holds {model_cfg.max_len} positions: training "
             f"pairs over {model_cfg.max_len} tokens are dropped (data.max_len)")
         data = dataclasses.replace(data, max_len=model_cfg.max_len)
-    if data.bpe_dropout > 0 and not hasattr(translator.vocab, "tokenizer"):
+    if data.bpe_dropout > 0 and not hasattr(vocab, "tokenizer"):
         raise UserError(f"--init-from {path}: its vocabulary is not aiayn's BPE, so "
                         "data.bpe_dropout cannot apply; set data.bpe_dropout=0")
-    log(f"aiayn train: starting from the weights of {translator.source[0]} (architecture, "
-        f"vocabulary of {len(translator.vocab)} and decode settings from it; a fresh optimizer "
-        "and schedule)")
-    return model, config.replace(model=model_cfg, data=data, decode=source.decode), \
-        translator.vocab
+    log(f"aiayn train: starting from the weights of {loaded.sources[0]} (architecture, "
+        f"vocabulary of {len(vocab)} and decode settings from it; a fresh optimizer and "
+        "schedule)")
+    return model, config.replace(model=model_cfg, data=data, decode=source.decode), vocab
 
 
 def check_resume_overrides(saved: Config, resumed: Config, run_dir: Path) -> None:

@@ -19,8 +19,9 @@ from aiayn.training.mixed import MixedPrecision
 from aiayn.training.schedule import scheduled_lr
 from aiayn.training.state import TrainState
 
-# (model, batch, grad_scale) -> (loss_sum, nll_sum, tokens scored)
-BatchLoss = Callable[[nn.Module, Batch, float], "tuple[torch.Tensor, torch.Tensor, int]"]
+# (model, batch, grad_scale = 1.0) -> (loss_sum, nll_sum, tokens scored); validation calls it
+# without grad_scale
+BatchLoss = Callable[..., "tuple[torch.Tensor, torch.Tensor, int]"]
 
 
 def batch_loss(model: nn.Module, batch: Batch, *, epsilon_ls: float, pad_id: int,
