@@ -153,18 +153,10 @@ def main() -> int:
     device = choose_device(args.device or "cpu")
     on_gpu = device.type == "cuda"
     cuda_sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    from aiayn.checkpoint import save_checkpoint
-    from aiayn.config import DecodeConfig, load_config
-    from aiayn.decoding import translate_nbest
+    from aiayn.config import load_config
     from aiayn.interop.ctranslate2 import export_ctranslate2
     from aiayn.interop.marian import import_hf
-
-    try:
-        from aiayn.decoding import fast
-    except ImportError:
-        fast = None
-    if on_gpu:
-        fast = None  # aiayn.decoding.fast is a CPU path
+    from aiayn.translator import Translator
     # CT2_FORCE_CPU_ISA=AVX512 on a CPU without AVX-512 dies of an illegal instruction: that
     # variant runs only where torch found AVX-512 (ATEN_CPU_CAPABILITY=avx2 simulates its absence)
     capability = torch.backends.cpu.get_cpu_capability()
@@ -172,7 +164,7 @@ def main() -> int:
         ["AVX512", None] if "AVX512" in capability else [None])
     if not on_gpu and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print(f"no native bf16 on this CPU ({capability}): aiayn bf16 and hf bf16 left out")
-        args.skip = [*args.skip, "aiayn-bf16", "hf-bf16", "fast bf16"]
+        args.skip = [*args.skip, "aiayn-bf16", "hf-bf16"]
 
     data = os.environ.get("AIAYN_DATA_DIR")
     if not data:
@@ -241,34 +233,37 @@ def main() -> int:
                       + (f"  identical {row['identical_to_aiayn_fp32']:.1%}"
                          if "identical_to_aiayn_fp32" in row else ""), flush=True)
 
-            def run_aiayn(**kw):
-                search = DecodeConfig(beam_size=beam, alpha=0.0, max_len_a=0.0,
-                                      max_len_b=args.length, batch_size=args.batch_size,
-                                      beam_rules="hf")
-                translate_nbest(model, vocab, lines[:8], search, min_len=args.length,
-                                **kw)  # warm-up
+            def run_aiayn(precision):
+                """aiayn's product surface, as `aiayn translate` runs it: a Translator at
+                ``precision`` (None: the default a model without a run record gets)."""
+                translator = Translator(model, vocab, config=config, device=device,
+                                        precision=precision)
+                search = dict(beam_size=beam, alpha=0.0, max_len_a=0.0, max_len_b=args.length,
+                              batch_size=args.batch_size, beam_rules="hf")
+                translator.generate(lines[:8], preprocessed=True, min_len=args.length,
+                                    **search)  # warm-up (and the int8 copy, made once)
                 best, out = float("inf"), None
                 for _ in range(args.repeat):
                     cuda_sync()
                     t = time.perf_counter()
-                    out = translate_nbest(model, vocab, lines, search, min_len=args.length,
-                                          **kw)
+                    out = translator.generate(lines, preprocessed=True, min_len=args.length,
+                                              **search)
                     cuda_sync()
                     best = min(best, time.perf_counter() - t)
                 assert all(len(r[0].tokens) == args.length + 1 for r in out), "lengths not fixed"
-                return best, [[vocab.output_pieces[i] for i in r[0].tokens[:-1]] for r in out]
+                return best, [[vocab.output_pieces[i] for i in r[0].tokens[:-1]] for r in out], \
+                    translator.precision
 
-            seconds, ref_tokens = run_aiayn()
+            seconds, ref_tokens, _ = run_aiayn("fp32")
             record("aiayn fp32", seconds, ref_tokens)
-            if "aiayn-bf16" not in args.skip:
-                seconds, toks = run_aiayn(bf16=True)
-                record("aiayn bf16", seconds, toks)
-            if fast is not None:
-                for name, kw in fast.BENCH_PATHS.items():
-                    if name in args.skip:
-                        continue
-                    seconds, toks = run_aiayn(**kw)
-                    record(f"aiayn {name}", seconds, toks)
+            for precision in ("bf16", "int8"):
+                if f"aiayn-{precision}" not in args.skip and not (on_gpu and precision == "int8"):
+                    seconds, toks, _ = run_aiayn(precision)
+                    record(f"aiayn {precision}", seconds, toks)
+            if "aiayn-default" not in args.skip:
+                seconds, toks, chosen = run_aiayn(None)
+                record("aiayn default", seconds, toks, precision=chosen.chosen,
+                       precision_reason=chosen.reason)
             for dtype in ("fp32", "bf16"):
                 if f"hf-{dtype}" in args.skip:
                     continue

@@ -24,13 +24,14 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from aiayn.config import TRAIN_PRECISIONS
+from aiayn.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
 
     from aiayn.config import ModelConfig
 
-DECODE_PRECISIONS = ("auto", "fp32", "bf16")
+DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")
 # bf16 must beat fp32 by this factor to be chosen: its casts, and LayerNorm and softmax around
 # the products, cost time the product probe does not see, and bf16 rounds more
 BF16_MIN_SPEEDUP = 1.25
@@ -60,12 +61,19 @@ class Precision:
     reason: str
     fp32_gflops: float | None = None
     bf16_gflops: float | None = None
+    int8_gops: float | None = None
 
     @property
     def uses_bf16(self) -> bool:
         """Whether any product runs in bf16: under autocast (``bf16``) or on bf16 weights (a
         float32 master of a ``bf16-weights`` run, such as validation's, runs under autocast)."""
-        return self.chosen != "fp32"
+        return self.chosen in ("bf16", "bf16-weights")
+
+    @property
+    def uses_int8(self) -> bool:
+        """Whether decoding runs on an int8 copy of the model
+        (:func:`aiayn.model.quantize.quantize_int8`)."""
+        return self.chosen == "int8"
 
     @property
     def bf16_weights(self) -> bool:
@@ -131,6 +139,34 @@ def _probe(shapes: tuple[tuple[int, int, int], ...], threads: int) -> tuple[floa
     return _rates(list(shapes), budget_s=0.005)
 
 
+@functools.cache
+def _probe_int8(shapes: tuple[tuple[int, int, int], ...], threads: int) -> float:
+    import torch
+
+    from aiayn.model.quantize import Int8Linear
+
+    gen = torch.Generator().manual_seed(0)
+    maps = [(torch.randn(m, k, generator=gen), Int8Linear(torch.randn(n, k, generator=gen), None))
+            for m, k, n in shapes]
+
+    def run() -> None:
+        for x, linear in maps:
+            linear(x)
+
+    ops = sum(2.0 * m * k * n for m, k, n in shapes)
+    return ops / _seconds_per_call(run, budget_s=0.005) / 1e9
+
+
+def probe_int8(model: ModelConfig, rows: int = PROBE_ROWS) -> float:
+    """GOP/s of ``model``'s product shapes (:func:`product_shapes`) as
+    :class:`~aiayn.model.quantize.Int8Linear` runs them here (row quantization, the int8
+    product, the float rescaling), on the process's current threads; kept for the process's
+    life. A few milliseconds."""
+    import torch
+
+    return _probe_int8(tuple(product_shapes(model, rows)), torch.get_num_threads())
+
+
 def probe_cpu(model: ModelConfig, rows: int = PROBE_ROWS) -> tuple[float, float]:
     """(fp32, bf16) GFLOP/s of ``model``'s product shapes (:func:`product_shapes`) on this CPU
     and the process's current thread count. Takes 5-60 ms; the result is kept for the
@@ -144,13 +180,17 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
                      training: bool = True, rows: int = PROBE_ROWS) -> Precision:
     """Resolve ``requested`` (``auto`` or an explicit precision) on ``device``.
 
-    ``auto`` gives ``bf16-weights`` for training (``bf16`` for decoding) where bf16 is faster
-    than fp32 by at least :data:`BF16_MIN_SPEEDUP` on ``model``'s product shapes, else ``fp32``;
-    on CUDA ``bf16`` autocast where the device supports bf16. An explicit precision is kept,
-    with a warning in ``reason`` when the probe finds bf16 slower on this CPU.
+    ``auto`` gives ``bf16-weights`` for training where bf16 is faster than fp32 by at least
+    :data:`BF16_MIN_SPEEDUP` on ``model``'s product shapes, else ``fp32``. For decoding on a
+    CPU it also times those shapes in int8 (:func:`probe_int8`) and takes the fastest of fp32,
+    bf16 and int8, a reduced precision only where it beats fp32 by that factor (int8 on both
+    CPU classes measured so far: VNNI on the bf16 class, AVX2 on the other). On CUDA ``auto``
+    is ``bf16`` autocast where the device supports bf16. An explicit precision is kept, with
+    a warning in ``reason`` when the probe finds bf16 slower on this CPU.
 
     Raises:
-        ValueError: an unknown precision, or ``bf16-weights`` for decoding.
+        ValueError: an unknown precision, ``bf16-weights`` for decoding, or ``int8`` on CUDA
+            (int8 decoding is a CPU path).
     """
     import torch
 
@@ -159,20 +199,32 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
         raise ValueError(f"precision {requested!r}: expected one of {', '.join(allowed)}")
     device = torch.device(device)
     if device.type == "cuda":
+        if requested == "int8":
+            raise ConfigError("precision int8 is a CPU decoding path; on CUDA use auto, bf16 "
+                              "or fp32")
         if requested != "auto":
             return Precision(requested, requested, "as asked")
         if torch.cuda.is_bf16_supported():
             return Precision(requested, "bf16", f"{torch.cuda.get_device_name(device)} "
                                                 "supports bf16")
         return Precision(requested, "fp32", f"{torch.cuda.get_device_name(device)} has no bf16")
-    if requested == "fp32":
-        return Precision(requested, "fp32", "as asked")  # no probe: nothing depends on it
+    if requested in ("fp32", "int8"):
+        return Precision(requested, requested, "as asked")  # no probe: nothing depends on it
     fp32, bf16 = probe_cpu(model, rows)
     rates = f"bf16 {bf16:.1f} against fp32 {fp32:.1f} GFLOP/s on the model's products"
     faster = bf16 >= BF16_MIN_SPEEDUP * fp32
-    if requested == "auto":
-        chosen = ("bf16-weights" if training else "bf16") if faster else "fp32"
+    if requested == "auto" and training:
+        chosen = "bf16-weights" if faster else "fp32"
         return Precision(requested, chosen, rates, round(fp32, 1), round(bf16, 1))
+    if requested == "auto":
+        int8 = probe_int8(model, rows)
+        rate = {"fp32": fp32, "bf16": bf16 if faster else 0.0,
+                "int8": int8 if int8 >= BF16_MIN_SPEEDUP * fp32 else 0.0}
+        chosen = max(rate, key=rate.get)
+        rates = (f"int8 {int8:.1f} GOP/s, bf16 {bf16:.1f} and fp32 {fp32:.1f} GFLOP/s on the "
+                 "model's products")
+        return Precision(requested, chosen, rates, round(fp32, 1), round(bf16, 1),
+                         round(int8, 1))
     note = "as asked" if bf16 >= fp32 else \
         f"as asked, but this CPU runs bf16 {fp32 / bf16:.0f}x slower than fp32 (use auto)"
     return Precision(requested, requested, f"{note}; {rates}", round(fp32, 1), round(bf16, 1))

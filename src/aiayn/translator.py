@@ -264,9 +264,9 @@ class Translator:
             ``ModelConfig`` with default settings elsewhere (raw text, §6.1's search).
         decode: the decode defaults (default: ``config.decode``).
         device: a torch device name (default: where the first model is).
-        precision: "fp32", "bf16" or "auto" (default: fp32 for a model trained with
-            ``train.precision = "fp32"``, else auto: bf16 where a short probe finds it faster
-            on this machine, :func:`aiayn.precision.choose_precision`).
+        precision: "fp32", "bf16", "int8" or "auto" (default: fp32 for a model trained with
+            ``train.precision = "fp32"``, else auto: the fastest of fp32, bf16 and int8 that a
+            short probe finds on this machine, :func:`aiayn.precision.choose_precision`).
         source: where the models came from (paths), for messages and ``aiayn serve``'s /info.
         warn: receives warnings about the input (default: the ``aiayn`` logger).
 
@@ -299,6 +299,20 @@ class Translator:
         self.warn = warn or logger.warning
         requested = precision or default_decoding_precision(config.train.precision)
         self.precision = choose_precision(requested, self.device, config.model, training=False)
+        self._int8_models: list | None = None  # made at the first int8 decode, then kept
+
+    @property
+    def decoding_models(self) -> list:
+        """The models :meth:`generate` decodes with: :attr:`models`, or at precision int8 their
+        int8 copies (:func:`aiayn.model.quantize.quantize_int8`, made once). :meth:`score`
+        and :meth:`attention` use :attr:`models`."""
+        if not self.precision.uses_int8:
+            return self.models
+        if self._int8_models is None:
+            from aiayn.model.quantize import quantize_int8
+
+            self._int8_models = [quantize_int8(m) for m in self.models]
+        return self._int8_models
 
     # --- loading --------------------------------------------------------------------------
     @classmethod
@@ -326,7 +340,10 @@ class Translator:
         loaded = load_pretrained(path, dev, warn or logger.warning)
         record = loaded.record
         decode = record.get("decode", loaded.config.decode)
-        precision = precision or record.get("precision")  # the run's own, else the model's rule
+        if precision is None:  # the run's own, else the model's rule
+            precision = record.get("precision")
+            if precision == "int8" and dev.type != "cpu":
+                precision = None  # int8 is the run's CPU choice; a GPU decides for itself
         return cls(loaded.models, loaded.vocab, config=loaded.config, decode=decode, device=dev,
                    precision=precision, source=loaded.sources, warn=warn)
 
@@ -382,8 +399,8 @@ class Translator:
             long_inputs: "truncate" (with a warning) or "error".
             preprocessed: the lines are the model's text already (``data.preprocess``
                 applied), as the training corpus is.
-            engine: passed to :func:`aiayn.decoding.translate_nbest` (``fast``,
-                ``use_cache``, ``min_len``: benchmarks).
+            engine: passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
+                ``min_len``: benchmarks).
 
         Raises:
             aiayn.errors.ConfigError: bad settings (naming them; a ``ValueError``).
@@ -395,7 +412,7 @@ class Translator:
         decode = self.search(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                              max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
-        return translate_nbest(self.models, self.vocab, text, decode, nbest=nbest,
+        return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
                                sampling=sampling, bf16=self.precision.uses_bf16,
                                long_inputs=long_inputs, warn=warn, progress=progress, **engine)
 

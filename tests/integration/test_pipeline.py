@@ -108,8 +108,11 @@ ENSEMBLE = ["pipeline", "--preset", "tiny", "--no-progress", "--json", "--ensemb
 
 
 def test_pipeline_trains_and_decodes_an_ensemble(tmp_path: Path, capsys) -> None:
+    # train.precision auto (as every preset but `tiny` says): the job then checks int8 on val
+    # and may record it as the run's decoding precision (check_reduced_precision)
     run_dir = tmp_path / "run"
-    job = ENSEMBLE + ["--run-dir", str(run_dir), "--average", "2", "1"]
+    job = ENSEMBLE + ["--run-dir", str(run_dir), "--average", "2", "1",
+                      "--set", "train.precision=auto"]
     assert main(job + ["--set", "train.max_steps=60", "--set", "train.seed=7"]) == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -257,7 +260,11 @@ def assert_the_run_is_the_model_it_reports(run_dir: Path, results: dict, tmp_pat
     assert record["members"] == [f"member-{k}/{weights}" for k in (1, 2)]
     assert record["decode"]["alpha"] == results["alpha"]
     assert record["decode"]["beam_size"] == results["beam_size"]
-    assert record["precision"] == results["decode_precision"] == "fp32"
+    check = results["decode_precision_check"]
+    want = "fp32" if check is None else check["chosen"]  # None: the run was trained in fp32
+    assert record["precision"] == results["decode_precision"] == want
+    if check is not None:
+        assert check["fp32"] - check["int8"] <= 0.2 or want == "fp32"
     hyps = (run_dir / "test.hyp.de").read_text(encoding="utf-8").splitlines()
     data = Path(os.environ["AIAYN_DATA_DIR"]) / "multi30k" / "test_2016_flickr.en.gz"
 
@@ -284,4 +291,4 @@ def assert_the_run_is_the_model_it_reports(run_dir: Path, results: dict, tmp_pat
     assert [t[0]["text"] for t in r.json()["translations"]] == translator.translate(
         lines, batch_size=limits.max_batch_lines)
     assert info["ensemble"] == [str(run_dir / m) for m in record["members"]]
-    assert (info["precision"], info["decode"]["alpha"]) == ("fp32", results["alpha"])
+    assert (info["precision"], info["decode"]["alpha"]) == (want, results["alpha"])

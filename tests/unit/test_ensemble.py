@@ -1,5 +1,5 @@
 """Ensemble decoding: :class:`EnsembleStep` averages its members' next-token probabilities, on
-real (random-weight) Transformers, through beam search, the fast decoder and translate_nbest."""
+real (random-weight) Transformers, through beam search, int8 copies and translate_nbest."""
 
 from __future__ import annotations
 
@@ -124,11 +124,17 @@ def test_ensemble_translations_score_the_mean_probability(members, vocab):
     assert [r[0].tokens for r in out] not in [[r[0].tokens for r in s] for s in singles]
 
 
-def test_ensemble_with_the_fast_decoder(members, vocab):
-    ref = Translator(members, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8)
-    fast = Translator(members, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8,
-                                                                 fast="fp32")
-    assert [r[0].tokens for r in fast] == [r[0].tokens for r in ref]
+def test_an_int8_ensemble_decodes_each_member_quantized(members, vocab):
+    # every member gets its own int8 copy; the float members are left as they were
+    translator = Translator(members, vocab, precision="int8")
+    out = translator.generate(LINES, beam_size=4, max_len_b=8)
+    copies = translator.decoding_models
+    assert len(copies) == len(members) and all(c is not m for c, m in zip(copies, members))
+    assert all(c.output_projection is not None for c in copies)
+    assert all(m.output_projection is None for m in members)
+    # an ensemble of the int8 copies, decoded at fp32, is the same search: the same outputs
+    again = Translator(copies, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8)
+    assert [r[0].tokens for r in out] == [r[0].tokens for r in again]
 
 
 def test_bad_ensembles_are_refused(members, vocab):
@@ -141,3 +147,36 @@ def test_bad_ensembles_are_refused(members, vocab):
         EnsembleStep([])
     for model in members:
         assert not model.training  # left as they came
+
+
+@pytest.mark.parametrize("int8_loss, chosen", [(0.0, "int8"), (0.2, "int8"), (0.3, "fp32")])
+def test_a_run_records_int8_only_within_the_bleu_margin(monkeypatch, members, vocab, int8_loss,
+                                                        chosen):
+    """The pipeline's rule (aiayn.cli.pipeline.check_reduced_precision): int8 becomes a run's
+    default precision only where its val BLEU stays within 0.2 of fp32's and the machine runs
+    it faster. The BLEU here is a stand-in that charges int8's output ``int8_loss`` points, so
+    the rule, not the tiny model's luck, is what is tested; the outputs are the real ones."""
+    import aiayn.precision as precision
+    from aiayn.cli.pipeline import check_reduced_precision
+
+    translator = Translator(members, vocab, precision="fp32")
+    decode = dataclasses.replace(translator.decode_config, beam_size=4, max_len_b=8)
+    want = {p: Translator(members, vocab, precision=p).translate(
+        LINES, preprocessed=True, **dataclasses.asdict(decode)) for p in ("fp32", "int8")}
+    seen = []
+
+    def bleu(hyps):
+        seen.append(hyps)
+        return 30.0 - (int8_loss if len(seen) == 2 else 0.0)  # fp32 is scored first
+
+    monkeypatch.setattr(precision, "probe_int8", lambda model, rows: 1e6)  # int8 is fastest
+    got = check_reduced_precision(translator, LINES, bleu, decode)
+    assert seen == [want["fp32"], want["int8"]]
+    same = sum(a == b for a, b in zip(want["fp32"], want["int8"])) / len(LINES)
+    assert got["identical"] == pytest.approx(same, abs=1e-4)
+    assert got["chosen"] == chosen, got["reason"]
+    assert (got["fp32"], got["int8"]) == (30.0, 30.0 - int8_loss)
+    monkeypatch.setattr(precision, "probe_int8", lambda model, rows: 1e-6)  # int8 is slow
+    monkeypatch.setattr(precision, "probe_cpu", lambda model, rows: (100.0, 1.0))
+    seen.clear()
+    assert check_reduced_precision(translator, LINES, bleu, decode)["chosen"] == "fp32"

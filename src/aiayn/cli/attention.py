@@ -7,6 +7,7 @@ import json
 import sys
 
 from aiayn.errors import UserError
+from aiayn.precision import DECODE_PRECISIONS
 
 HELP = ("Draw the attention weights of one translation as the paper's Figures 3-5 do (lines "
         "between two columns of tokens) or as heat maps; --json writes the weights.")
@@ -44,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=None,
                    help="length penalty (default: the checkpoint's decode.alpha)")
     p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
+    p.add_argument("--precision", choices=DECODE_PRECISIONS, default=None,
                    help="as aiayn translate's (default: fp32 for a model trained in fp32, "
                         "else auto)")
 

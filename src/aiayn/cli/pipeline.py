@@ -12,6 +12,10 @@ from typing import Any
 
 from aiayn.errors import UserError
 
+# a reduced decoding precision becomes the run's default only if its val BLEU, at the chosen
+# settings, stays within this many points of fp32's (#45)
+REDUCED_PRECISION_MAX_BLEU_LOSS = 0.2
+
 HELP = ("The whole job on a named corpus: learn the shared BPE vocabulary, train, average the "
         "last checkpoints (§6.1), translate the test set with beam search, report BLEU/chrF.")
 
@@ -46,6 +50,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+
+
+def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
+                            progress: bool = False) -> dict[str, Any]:
+    """Whether the run may decode in int8 by default: val BLEU at ``decode`` in fp32 and in
+    int8 (:func:`aiayn.model.quantize.quantize_int8`), on the members ``translator`` holds.
+
+    int8 is chosen only where it loses at most :data:`REDUCED_PRECISION_MAX_BLEU_LOSS` BLEU and
+    the probe of the model's products (:func:`aiayn.precision.choose_precision`'s ``auto``)
+    finds it at least ``BF16_MIN_SPEEDUP`` times faster than fp32 on this machine. bf16 is never
+    recorded, however fast: it is not batch-invariant.
+
+    Args:
+        translator: the chosen members, at any precision (their float weights are used).
+        sources: val sentences, the model's text; bleu: hypotheses -> BLEU.
+
+    Returns:
+        ``{"chosen": "fp32"|"int8", "reason", "fp32": BLEU, "int8": BLEU or None,
+        "identical": share of sentences int8 decodes as fp32 does, "auto": what the probe
+        chose}``.
+    """
+    from aiayn.precision import BF16_MIN_SPEEDUP, choose_precision
+    from aiayn.translator import Translator
+
+    search = dataclasses.asdict(decode)
+    outputs, scores = {}, {}
+    auto = choose_precision("auto", translator.device, translator.config.model,
+                            training=False)
+    for precision in ("fp32", "int8"):
+        t = Translator(translator.models, translator.vocab, config=translator.config,
+                       decode=decode, device=translator.device, precision=precision)
+        outputs[precision] = t.translate(sources, preprocessed=True, progress=progress, **search)
+        scores[precision] = round(bleu(outputs[precision]), 2)
+    same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"])) / max(1, len(sources))
+    loss = scores["fp32"] - scores["int8"]
+    fast = (auto.int8_gops or 0.0) >= BF16_MIN_SPEEDUP * (auto.fp32_gflops or float("inf"))
+    ok = loss <= REDUCED_PRECISION_MAX_BLEU_LOSS
+    chosen = "int8" if ok and fast else "fp32"
+    why = (f"val BLEU fp32 {scores['fp32']:.2f}, int8 {scores['int8']:.2f} "
+           f"({same:.1%} of sentences identical); ")
+    if chosen == "int8":
+        why += f"int8 is within {REDUCED_PRECISION_MAX_BLEU_LOSS} BLEU and faster here"
+    elif not ok:
+        why += f"int8 loses more than {REDUCED_PRECISION_MAX_BLEU_LOSS} BLEU: fp32"
+    else:
+        why += f"int8 is not faster on this machine ({auto.reason}): fp32"
+    return {"chosen": chosen, "reason": why, "fp32": scores["fp32"], "int8": scores["int8"],
+            "identical": round(same, 4), "auto": auto.to_dict()}
 
 
 def _described(candidate: int | str) -> str:
@@ -169,9 +221,11 @@ def run(args: argparse.Namespace) -> int:
     trained = (members[0] if members else summary)["precision"]
     say(f"[1/4] trained at precision {trained['chosen']} ({trained['requested']}: "
         f"{trained['reason']})")
-    # decoded in fp32, and recorded so: a run directory must give its test output line for line
-    # however its sentences are batched (aiayn translate, serve), and bf16 products are not
-    # batch-invariant (on the bf16 class, 12-40 of 1,000 test lines changed with the batch)
+    # settings are chosen in fp32; the precision a run records for decoding comes after (see
+    # below). bf16 is never recorded: its products are not batch-invariant (on the bf16 class,
+    # 12-40 of 1,000 test lines changed with the batch), so a run directory would not give its
+    # test output line for line however `aiayn translate` or `serve` batch it; int8 (per-row
+    # scales, exact integer sums) and fp32 are.
     decode_precision = "fp32"
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
@@ -254,6 +308,16 @@ def run(args: argparse.Namespace) -> int:
     # the run directory becomes the model it reports: these members, this search
     chosen = dataclasses.replace(dc, alpha=alpha)
     members_used = translator.source
+    precision_check = None
+    # a run trained in fp32 because its config asked for it decodes in fp32 (the rule of
+    # aiayn.precision.default_decoding_precision); the others may take int8 (check below)
+    if valid is not None and len(valid) and device.type == "cpu" and \
+            config.train.precision != "fp32":
+        precision_check = check_reduced_precision(
+            translator, valid.src, lambda hyps: bleu_of(hyps, refs), chosen,
+            progress=not args.no_progress and not args.json)
+        decode_precision = precision_check["chosen"]
+        say(f"[3/4] decoding precision: {precision_check['reason']}")
     write_generation_config(
         run_dir, members_used, chosen, precision=decode_precision, weights=str(width),
         averaged=[str(p.relative_to(run_dir)) for p in found],
@@ -288,6 +352,9 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         # train.precision as resolved on this machine (with the probe's figures), and decoding's
         "precision": trained, "decode_precision": final.precision.chosen,
+        # val BLEU at the chosen settings in fp32 and in the machine's reduced precision, the
+        # share of identical sentences, and which one the run records (and why)
+        "decode_precision_check": precision_check,
         "averaged": [str(p.relative_to(run_dir)) if members else p.name for p in found],
         # "ema" when the moving average of the weights won on val, else the averaging width
         "weights": str(width),

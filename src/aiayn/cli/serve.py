@@ -7,6 +7,7 @@ import signal
 import sys
 
 from aiayn.errors import UserError
+from aiayn.precision import DECODE_PRECISIONS
 
 HELP = ("Serve a checkpoint over HTTP: POST /translate (batched), POST /attention, GET /health, "
         "GET /info, and a page at / to translate and look at every head's attention.")
@@ -24,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
+    p.add_argument("--precision", choices=DECODE_PRECISIONS, default=None,
                    help="as aiayn translate's (default: fp32 for a model trained in fp32, "
                         "else auto)")
     p.add_argument("--threads", type=int, default=None,

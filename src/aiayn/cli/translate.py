@@ -7,6 +7,7 @@ import json
 import sys
 
 from aiayn.errors import UserError
+from aiayn.precision import DECODE_PRECISIONS
 
 HELP = ("Translate text line by line with a checkpoint (beam search as §6.1 by default); one "
         "output line per input line.")
@@ -44,10 +45,12 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
                         "truncating it with a warning")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default=None,
-                   help="fp32; bf16 (autocast); auto: bf16 where a short probe finds it faster "
-                        "on this machine, else fp32 (default: fp32 for a model trained with "
-                        "train.precision = fp32, else auto)")
+    p.add_argument("--precision", choices=DECODE_PRECISIONS, default=None,
+                   help="fp32 (the reference); bf16 (autocast); int8 (int8 weights and "
+                        "per-row int8 activations, CPU); auto: the fastest of these that a "
+                        "short probe finds on this machine (default: what a finished run "
+                        "recorded, int8 where it kept val BLEU within 0.2 of fp32; fp32 for a "
+                        "model trained with train.precision = fp32; else auto)")
     p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                    help="the same as --precision bf16")
 

@@ -347,9 +347,10 @@ class CachedStep:
         self.cache = cache
 
     @classmethod
-    def start(cls, model, memory: Tensor, src_mask: Tensor) -> CachedStep:
-        """From encoder output ``memory`` (B, S, d_model) and ``src_mask`` bool (B, S)."""
-        return cls(model, model.start_cache(memory, src_mask))
+    def start(cls, model, memory: Tensor, src_mask: Tensor, max_steps: int = 0) -> CachedStep:
+        """From encoder output ``memory`` (B, S, d_model) and ``src_mask`` bool (B, S);
+        ``max_steps``, when known, reserves the cache for that many steps."""
+        return cls(model, model.start_cache(memory, src_mask, capacity=max_steps))
 
     @property
     def start_id(self) -> int:
@@ -359,7 +360,9 @@ class CachedStep:
         return self.model.decode_step(tokens[:, None], self.cache)[:, -1]  # (n, V)
 
     def select(self, index: Tensor) -> CachedStep:
-        return CachedStep(self.model, self.cache.index_select(index))
+        """The step for rows ``index``; reorders the cache in place (``select_``), so this
+        step must not be called again (the searches never do)."""
+        return CachedStep(self.model, self.cache.select_(index))
 
 
 class UncachedStep:

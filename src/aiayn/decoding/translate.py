@@ -92,7 +92,6 @@ def translate_nbest(
     bf16: bool = False,
     use_cache: bool = True,
     min_len: int = 0,
-    fast: str | None = None,
     long_inputs: str = "truncate",
     warn: Callable[[str], None] | None = None,
     progress: bool = False,
@@ -117,8 +116,6 @@ def translate_nbest(
         bf16: run the model under ``torch.autocast(dtype=torch.bfloat16)``.
         use_cache: False reruns the decoder over the whole prefix each step (benchmarks).
         min_len: ban EOS before this many tokens (benchmarks fix output lengths with it).
-        fast: None (the reference step, :class:`CachedStep`), or "fp32", "bf16" or "int8":
-            decode with :class:`aiayn.decoding.fast.FastStep` and decoder weights in that type.
         long_inputs: "truncate" (warn) or "error"; see :func:`encode_sources`.
         progress: show a tqdm bar (sentences) on stderr.
 
@@ -138,7 +135,7 @@ def translate_nbest(
         m.eval()  # no dropout while decoding; the caller's mode is restored below
     try:
         return _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache,
-                          min_len, long_inputs, warn, progress, fast)
+                          min_len, long_inputs, warn, progress)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)
@@ -167,7 +164,7 @@ def check_ensemble(models: list) -> None:
 
 
 def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, min_len,
-               long_inputs, warn, progress, fast):
+               long_inputs, warn, progress):
     batch_size = decode.batch_size
     device = next(models[0].parameters()).device
     max_len = min(m.config.max_len for m in models)
@@ -182,11 +179,6 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
         bar.update(len(lines) - len(todo))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext())
-    fast_decoders = None
-    if fast is not None:
-        from aiayn.decoding.fast import FastDecoder
-
-        fast_decoders = [FastDecoder(m, fast) for m in models]
     with torch.inference_mode(), autocast:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
@@ -195,12 +187,11 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
             src_lengths = encoded[0][1].sum(dim=1) - 1  # without EOS
             max_lens = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b,
                                           max_len)
-            if fast_decoders is not None:
-                steps = [decoder.start(memory, src_mask, int(max_lens.max()) + 1)
-                         for decoder, (memory, src_mask) in zip(fast_decoders, encoded)]
+            if use_cache:  # the start token plus at most max_lens tokens
+                steps = [CachedStep.start(model, memory, src_mask, int(max_lens.max()) + 1)
+                         for model, (memory, src_mask) in zip(models, encoded)]
             else:
-                kind = CachedStep if use_cache else UncachedStep
-                steps = [kind.start(model, memory, src_mask)
+                steps = [UncachedStep.start(model, memory, src_mask)
                          for model, (memory, src_mask) in zip(models, encoded)]
             step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
             if sampling is not None or decode.beam_size == 1:

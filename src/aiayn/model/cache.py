@@ -1,78 +1,195 @@
-"""Incremental decoding state (the key/value cache).
+"""Incremental decoding state (the key/value cache), the one every search and every step uses.
 
-For each decoder layer the cache holds the keys and values of decoder self-attention for every
-position decoded so far, and the encoder-decoder keys and values, computed once per source.
-Beam search reorders it along the batch dimension with :meth:`DecoderCache.index_select`.
-Under restricted self-attention (§4, ``attention_window = r``) each layer keeps only the last r
-positions, so its memory stays flat however long the output grows.
+For each decoder layer the cache holds the keys and values of decoder self-attention for the
+positions decoded so far, and the encoder-decoder keys and values, computed once per source.
+
+How it moves data (what makes decoding fast on a CPU):
+
+- **Self-attention keys and values live in preallocated buffers** (rows, h, capacity, d),
+  written in place at each step; nothing is concatenated. The buffers start at the longest
+  output the caller reserves (:meth:`Transformer.start_cache`'s ``capacity``), at most
+  :data:`FIRST_BUFFER` positions, and double when they run out.
+- **Encoder-decoder keys and values are kept once per sentence**, never per beam: the
+  ``group`` rows of a sentence (its beams) attend to them as ``group`` queries of one
+  attention call. Beam search's reorders therefore never copy them.
+- **Reordering** (:meth:`select_`, used by the searches) moves, in place, only the rows whose
+  history changes, and only the positions held.
+
+Under restricted self-attention (§4, ``attention_window = r``) each layer keeps only the last
+r positions (older ones are dropped, the buffer compacted when it fills), so its memory stays
+flat however long the output grows.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 
-@dataclass
+# positions the buffers first hold at most, however many the caller reserves; they double
+# from there as needed (a search's limit is input + 50 tokens, most outputs are far shorter)
+FIRST_BUFFER = 64
+
+
 class DecoderCache:
-    """Per-layer tensors (shapes use B = batch rows, h heads, t positions cached, S source).
+    """Per-layer cached tensors. Shapes: n = rows (sentences x ``group``), B' = sentences,
+    h heads, S source positions.
 
     Attributes:
-        self_kv: per layer, keys (B, h, t, d_k) and values (B, h, t, d_v); None before step 1.
-        cross: per layer, encoder-decoder keys (B, h, S, d_k) and values (B, h, S, d_v).
-        src_mask: bool (B, S), True at real source tokens.
+        cross: per layer, encoder-decoder keys (B', h, S, d_k) and values (B', h, S, d_v).
+        src_mask: bool (B', S), True at real source tokens.
+        group: rows per sentence; row r belongs to sentence r // group (the rows of a sentence
+            are adjacent, as greedy and beam search keep them).
         length: t, the positions decoded so far.
-        window: r of restricted self-attention (§4): only the last r positions are kept
-            (t above is then at most r); None keeps all.
+        window: r of restricted self-attention (§4): only the last r positions are kept;
+            None keeps all.
     """
 
-    self_kv: list[tuple[Tensor, Tensor] | None]
-    cross: list[tuple[Tensor, Tensor]]
-    src_mask: Tensor
-    length: int = 0
-    window: int | None = None
+    def __init__(self, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor, *,
+                 window: int | None = None, group: int = 1, capacity: int = 0) -> None:
+        self.cross = cross
+        self.src_mask = src_mask
+        self.window = window
+        self.group = group
+        self.length = 0
+        self.capacity = capacity  # positions to reserve when the buffers are made
+        self._k: list[Tensor | None] = [None] * len(cross)  # (n, h, C, d_k)
+        self._v: list[Tensor | None] = [None] * len(cross)
+        self._lo = 0  # the positions held are buffer[:, :, _lo : _lo + _held]
+        self._held = 0
 
     @classmethod
     def start(cls, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
-              window: int | None = None) -> DecoderCache:
-        return cls(self_kv=[None] * len(cross), cross=cross, src_mask=src_mask, window=window)
-
-    def cached_len(self, layer: int) -> int:
-        """Positions of ``layer`` held now (the most recent ones; ``length`` when unrestricted)."""
-        kv = self.self_kv[layer]
-        return 0 if kv is None else kv[0].shape[2]
-
-    def append_self(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append new keys (B, h, t_new, d_k) and values of ``layer``; return the ones held
-        before plus the new ones (the keys the new positions may see). With a window r, only
-        the last r are kept afterwards."""
-        old = self.self_kv[layer]
-        if old is not None:
-            k = torch.cat([old[0], k], dim=2)
-            v = torch.cat([old[1], v], dim=2)
-        if self.window is None:
-            self.self_kv[layer] = (k, v)
-        else:
-            self.self_kv[layer] = (k[:, :, -self.window:], v[:, :, -self.window:])
-        return k, v
-
-    def index_select(self, index: Tensor) -> DecoderCache:
-        """A cache whose row i is row ``index[i]`` of this one (beam reordering, pruning).
-
-        Args:
-            index: long (B',) row indices into the current batch.
-        """
-        pick = lambda kv: (kv[0].index_select(0, index), kv[1].index_select(0, index))  # noqa: E731
-        return DecoderCache(
-            self_kv=[None if kv is None else pick(kv) for kv in self.self_kv],
-            cross=[pick(kv) for kv in self.cross],
-            src_mask=self.src_mask.index_select(0, index),
-            length=self.length,
-            window=self.window,
-        )
+              window: int | None = None, capacity: int = 0) -> DecoderCache:
+        """A cache before step 1: one row per sentence of ``src_mask`` (B, S)."""
+        return cls(cross, src_mask, window=window, capacity=capacity)
 
     @property
     def batch_size(self) -> int:
-        return self.src_mask.shape[0]
+        """n, the rows."""
+        return self.src_mask.shape[0] * self.group
+
+    @property
+    def self_kv(self) -> list[tuple[Tensor, Tensor] | None]:
+        """Per layer, the keys (n, h, t, d_k) and values (n, h, t, d_v) held (views into the
+        buffers; t = ``length``, or at most r under a window); None before step 1."""
+        lo, hi = self._lo, self._lo + self._held
+        return [None if k is None else (k[:, :, lo:hi], v[:, :, lo:hi])
+                for k, v in zip(self._k, self._v)]
+
+    def cached_len(self, layer: int) -> int:
+        """Positions of ``layer`` held before the step now running."""
+        return 0 if self._k[layer] is None else self._held
+
+    def append_self(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write new keys (n, h, t_new, d_k) and values of ``layer`` after the ones held;
+        return the held ones plus the new ones (the keys the new positions may see), as views.
+        :meth:`advance` ends the step for all layers."""
+        t_new = k.shape[2]
+        if layer == 0 or self._k[layer] is None:
+            self._make_room(t_new, k, v)
+        at = self._lo + self._held
+        kb, vb = self._k[layer], self._v[layer]
+        kb[:, :, at : at + t_new] = k
+        vb[:, :, at : at + t_new] = v
+        return kb[:, :, self._lo : at + t_new], vb[:, :, self._lo : at + t_new]
+
+    def advance(self, t_new: int) -> None:
+        """End a step of ``t_new`` positions: they are held from now on (under a window, only
+        the last r of everything)."""
+        self.length += t_new
+        self._held += t_new
+        if self.window is not None and self._held > self.window:
+            self._lo += self._held - self.window
+            self._held = self.window
+
+    def _make_room(self, t_new: int, k: Tensor, v: Tensor) -> None:
+        need = self._held + t_new
+        first = self._k[0]
+        if first is not None and self._lo + need <= first.shape[2]:
+            return
+        if first is None:  # the reservation, up to FIRST_BUFFER positions
+            capacity = max(need, min(self.capacity, FIRST_BUFFER))
+        else:  # compact in place if half is free, else double (up to the reservation)
+            size = first.shape[2]
+            capacity = size if need <= size // 2 else max(need, 2 * size)
+            if self.capacity >= need:
+                capacity = min(capacity, max(self.capacity, size))
+        n, h = k.shape[:2]
+        for i in range(len(self._k)):
+            old_k, old_v = self._k[i], self._v[i]
+            new_k = k.new_empty(n, h, capacity, k.shape[3])
+            new_v = v.new_empty(n, h, capacity, v.shape[3])
+            if old_k is not None and self._held:
+                new_k[:, :, : self._held] = old_k[:, :, self._lo : self._lo + self._held]
+                new_v[:, :, : self._held] = old_v[:, :, self._lo : self._lo + self._held]
+            self._k[i], self._v[i] = new_k, new_v
+        self._lo = 0
+
+    # --- reordering rows --------------------------------------------------------------------
+
+    def _regroup(self, index: Tensor) -> tuple[list[tuple[Tensor, Tensor]], Tensor, int]:
+        """Cross keys/values, source mask and group for rows ``index``: still one copy per
+        sentence when the new rows of each sentence are adjacent and equally many."""
+        sentence = torch.div(index, self.group, rounding_mode="floor")
+        n = sentence.shape[0]
+        first = torch.ones(n, dtype=torch.bool, device=index.device)
+        first[1:] = sentence[1:] != sentence[:-1]
+        starts = first.nonzero().squeeze(1)
+        live = sentence.index_select(0, starts)
+        g = n // starts.shape[0]
+        grouped = (starts.shape[0] * g == n
+                   and bool((starts == torch.arange(0, n, g, device=index.device)).all())
+                   and bool((live[1:] > live[:-1]).all()))
+        pick = live if grouped else sentence
+        if grouped and pick.shape[0] == self.src_mask.shape[0] and bool(
+                (pick == torch.arange(pick.shape[0], device=pick.device)).all()):
+            return self.cross, self.src_mask, g  # the same sentences: nothing to copy
+        cross = [(k.index_select(0, pick), v.index_select(0, pick)) for k, v in self.cross]
+        return cross, self.src_mask.index_select(0, pick), g if grouped else 1
+
+    def _copy_state(self, cross, src_mask, group) -> DecoderCache:
+        out = DecoderCache(cross, src_mask, window=self.window, group=group,
+                           capacity=self.capacity)
+        out.length, out._lo, out._held = self.length, self._lo, self._held
+        return out
+
+    def index_select(self, index: Tensor) -> DecoderCache:
+        """A new cache whose row i is row ``index[i]`` of this one (this one is unchanged).
+
+        Args:
+            index: long (n',) row indices into the current rows (repeats allowed).
+        """
+        out = self._copy_state(*self._regroup(index))
+        lo, hi = self._lo, self._lo + self._held
+        for i, (k, v) in enumerate(zip(self._k, self._v)):
+            if k is None:
+                continue
+            new_k = k.new_empty(index.shape[0], *k.shape[1:])
+            new_v = v.new_empty(index.shape[0], *v.shape[1:])
+            new_k[:, :, lo:hi] = k[:, :, lo:hi].index_select(0, index)
+            new_v[:, :, lo:hi] = v[:, :, lo:hi].index_select(0, index)
+            out._k[i], out._v[i] = new_k, new_v
+        return out
+
+    def select_(self, index: Tensor) -> DecoderCache:
+        """Like :meth:`index_select`, but may reuse this cache's buffers: when the rows stay as
+        many, only the rows whose history changes are moved, in place. This cache must not be
+        used afterwards (the searches never do). Returns the reordered cache."""
+        if self._k[0] is None or index.shape[0] != self.batch_size:
+            return self.index_select(index)
+        out = self._copy_state(*self._regroup(index))
+        out._k, out._v = self._k, self._v
+        self._k = self._v = []  # poisoned: a use after select_ fails loudly
+        n = index.shape[0]
+        moved = (index != torch.arange(n, device=index.device)).nonzero().squeeze(1)
+        if moved.numel():
+            src = index.index_select(0, moved)
+            lo, hi = out._lo, out._lo + out._held
+            for buf in (*out._k, *out._v):
+                held = buf[:, :, lo:hi]
+                held.index_copy_(0, moved, held.index_select(0, src))
+        return out
+
+
+__all__ = ["DecoderCache"]

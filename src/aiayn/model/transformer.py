@@ -168,19 +168,28 @@ class MultiHeadAttention(nn.Module):
         kv: tuple[Tensor, Tensor],
         mask: Tensor | None = None,
         is_causal: bool = False,
+        group: int = 1,
     ) -> Tensor:
         """Attend from ``query`` (B, Tq, d_model) over projected keys and values.
 
         Args:
             query: (B, Tq, d_model), before the W^Q projection.
-            kv: keys (B, h, Tk, d_k) and values (B, h, Tk, d_v) from :meth:`project_kv`.
-            mask: bool, broadcastable to (B, h, Tq, Tk), True where attention is allowed.
+            kv: keys (B, h, Tk, d_k) and values (B, h, Tk, d_v) from :meth:`project_kv`; with
+                ``group`` G > 1, (B / G, …): every G consecutive query rows share one row of
+                keys and values (the beams of a sentence over its encoder output), attended
+                to as G * Tq queries of one call, so the keys are never copied per beam.
+            mask: bool, broadcastable to (B / G, h, G * Tq, Tk), True where attention is
+                allowed.
             is_causal: position i attends to keys 0 … i only (decoder self-attention, §3.2.3).
 
         Returns:
             (B, Tq, d_model).
         """
         q = self._split(self.W_q(query), self.d_k)  # (B, h, Tq, d_k)
+        B, _, Tq, _ = q.shape
+        if group > 1:  # (B, h, Tq, d_k) -> (B / G, h, G * Tq, d_k)
+            q = (q.view(B // group, group, self.h, Tq, self.d_k).transpose(1, 2)
+                 .reshape(B // group, self.h, group * Tq, self.d_k))
         k, v = kv
         if self.record_weights or (self.training and q.device.type == "cpu"):
             out = self._attend_explicit(q, k, v, mask, is_causal)
@@ -189,7 +198,9 @@ class MultiHeadAttention(nn.Module):
                 q, k, v, attn_mask=mask, is_causal=is_causal,
                 dropout_p=self.dropout if self.training and self.attn_dropout.active else 0.0,
             )  # (B, h, Tq, d_v)
-        B, _, Tq, _ = out.shape
+        if group > 1:
+            out = (out.view(B // group, self.h, group, Tq, self.d_v).transpose(1, 2)
+                   .reshape(B, self.h, Tq, self.d_v))
         return self.W_o(out.transpose(1, 2).reshape(B, Tq, self.h * self.d_v))
 
     def _attend_explicit(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
@@ -320,7 +331,8 @@ class DecoderLayer(nn.Module):
             attn = self.self_attn(y, kv, mask)
         x = self.res_self.outer(x, attn)
         y = self.res_cross.inner(x)
-        x = self.res_cross.outer(x, self.cross_attn(y, cross_kv, cross_mask))
+        group = 1 if cache is None else cache.group
+        x = self.res_cross.outer(x, self.cross_attn(y, cross_kv, cross_mask, group=group))
         return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
 
 
@@ -394,6 +406,9 @@ class Transformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
         self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
         self.embed_scale = math.sqrt(cfg.d_model)
+        # an inference stand-in for the tied pre-softmax map (``project``); None: the map is
+        # F.linear over tgt_embed.weight. Set by quantize_int8 (aiayn.model.quantize).
+        self.output_projection: nn.Module | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -530,6 +545,8 @@ class Transformer(nn.Module):
         """Pre-softmax linear map (tied to the target embedding, §3.4): (…, d) -> (…, V_tgt)."""
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
+        if self.output_projection is not None:
+            return self.output_projection(x)
         return F.linear(x, self.tgt_embed.weight, self.final_logits_bias)
 
     def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None,
@@ -540,11 +557,14 @@ class Transformer(nn.Module):
         memory, src_mask = self.encode(src, src_mask)
         return self.decode(tgt_in, memory, src_mask, output_mask, project)
 
-    def start_cache(self, memory: Tensor, src_mask: Tensor) -> DecoderCache:
+    def start_cache(self, memory: Tensor, src_mask: Tensor, capacity: int = 0) -> DecoderCache:
         """Incremental decoding state for ``memory`` (B, S, d_model): the encoder-decoder keys
-        and values of every layer are computed here, once per source."""
+        and values of every layer are computed here, once per source. ``capacity``: decoder
+        positions to reserve (the longest output plus its start token, when known; the cache
+        grows past it if needed)."""
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        return DecoderCache.start(cross, src_mask, window=self.config.attention_window)
+        return DecoderCache.start(cross, src_mask, window=self.config.attention_window,
+                                  capacity=capacity)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits for the position after ``tokens``, reusing and extending ``cache``.
@@ -561,7 +581,7 @@ class Transformer(nn.Module):
         x = self._embed(self.tgt_embed, tokens, offset=cache.length)
         for i, layer in enumerate(self.decoder):
             x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i)
-        cache.length += tokens.shape[1]
+        cache.advance(tokens.shape[1])
         return self.project(x)
 
 

@@ -1,0 +1,98 @@
+"""int8 inference: every linear map of a Transformer with int8 weights and int8 activations.
+
+:func:`quantize_int8` returns an inference copy of a model in which each ``nn.Linear`` of the
+encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Linear`:
+
+- weights: symmetric int8 with one scale per output row (``W ~ s_w[o] * W8[o, :]``), made once;
+- activations: symmetric int8 with one scale per *input row* (per token, per beam row), made
+  at each call from that row alone (``x ~ s_x[r] * x8[r, :]``);
+- the product ``x8 @ W8^T`` runs in ``torch._int_mm`` with int32 accumulation, which is exact,
+  then ``y = s_x[r] * s_w[o] * acc + b``.
+
+Since no scale and no sum mixes rows, a sentence's output does not depend on what else is in
+its batch (unlike per-tensor dynamic quantization, whose one activation scale is the batch's
+largest value). Everything between the linear maps (embeddings, positions, LayerNorm, softmax,
+attention products, residuals, the caches) stays float32.
+
+The model itself is not changed; the copy shares nothing with it that training could move
+(its float weights are dropped, its int8 ones are buffers).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+
+
+def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row of ``x`` (..., k): (int8 (..., k), float32 scales (..., 1))."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with int8 weights (per output row) and int8 activations (per input
+    row, chosen at each call); x (..., in_features) float -> y (..., out_features) float32.
+
+    Args:
+        weight: float (out_features, in_features).
+        bias: float (out_features,) or None.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        w8, scale = _quantize_rows(w)
+        self.out_features, self.in_features = w.shape
+        # (in, out) view of the (out, in) rows: the layout torch._int_mm runs fastest on
+        self.register_buffer("weight_int8", w8)
+        self.register_buffer("weight_scale", scale.squeeze(1))  # (out,)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        return cls(linear.weight, linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x8, x_scale = _quantize_rows(x.reshape(-1, shape[-1]).float())
+        acc = torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
+        y = acc.float().mul_(x_scale).mul_(self.weight_scale)
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8 weights and activations")
+
+
+def _replace_linears(module: nn.Module) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Int8Linear.from_linear(child))
+        else:
+            _replace_linears(child)
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """An int8 inference copy of a :class:`~aiayn.model.Transformer` (see the module
+    docstring), in eval mode, on the model's device. Decode with it as with the model.
+
+    The embeddings stay float32; the output layer, tied to the target embedding (§3.4), gets
+    an int8 copy of that matrix (``model.output_projection``), with ``final_logits_bias``
+    (Marian) as its bias: a ``-inf`` placeholder bias keeps its zero probability. ``model``
+    itself, and its training mode, are left as they are.
+    """
+    q = copy.deepcopy(model).eval()
+    for p in q.parameters():
+        p.requires_grad_(False)
+    for stack in (q.encoder, q.decoder):
+        _replace_linears(stack)
+    q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
+    return q
+
+
+__all__ = ["Int8Linear", "quantize_int8"]

@@ -1,0 +1,130 @@
+"""int8 decoding (aiayn.model.quantize) and the decoder cache that every search uses
+(aiayn.model.cache): close to float32 where the float model is sure, independent of the
+batch, and the cache's data movement (cross keys once per sentence, reserved buffers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from test_search import SOURCES, encode_src, tiny_model  # tests/unit is on sys.path
+
+from aiayn.decoding import CachedStep, UncachedStep, beam_search, greedy_search
+from aiayn.model.quantize import Int8Linear, quantize_int8
+
+
+@pytest.fixture(scope="module", params=["post", "pre"])
+def model(request):
+    m = tiny_model(60, seed=3)
+    if request.param == "pre":
+        from aiayn.model import Transformer
+
+        torch.manual_seed(3)
+        m = Transformer(dataclasses.replace(m.config, norm="pre")).eval()
+    with torch.no_grad():
+        m.tgt_embed.weight.mul_(4.0)  # peaked next-token distributions, as a trained model's
+    return m
+
+
+def test_int8_linear_is_close_to_float_and_row_independent():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    x = torch.randn(10, 64) * torch.logspace(-2, 2, 10)[:, None]  # rows of very different sizes
+    q = Int8Linear.from_linear(linear)
+    with torch.no_grad():
+        ref, got = linear(x), q(x)
+        rel = ((got - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
+        assert rel < 0.03  # per-row scales: a small row keeps its precision beside a large one
+        # no scale or sum mixes rows: each row alone gives the same numbers, bit for bit
+        alone = torch.cat([q(x[i : i + 1]) for i in range(10)])
+    assert torch.equal(alone, got)
+    assert q(x[:3].view(3, 1, 64)).shape == (3, 1, 48)
+
+
+def test_quantize_int8_copies_and_leaves_the_model(model):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    q = quantize_int8(model)
+    assert model.training and not q.training
+    model.eval()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    linears = [m for m in q.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == []  # every linear map of both stacks is int8
+    # encoder layer: W^Q, W^K, W^V, W^O, W_1, W_2; decoder layer: twice the attention; output
+    assert sum(isinstance(m, Int8Linear) for m in q.modules()) == (6 + 10) * model.config.N + 1
+
+
+def test_int8_logits_stay_close_and_agree_where_the_model_is_sure(model):
+    q = quantize_int8(model)
+    tokens = torch.ones(4, dtype=torch.long)
+    with torch.no_grad():
+        ref = CachedStep.start(model, *encode_src(model, SOURCES))(tokens)
+        got = CachedStep.start(q, *encode_src(q, SOURCES))(tokens)
+    ok = torch.isfinite(ref)
+    assert (got - ref)[ok].abs().max().item() < 0.1 * ref[ok].abs().max().item()
+    top2 = ref.topk(2, dim=-1).values
+    sure = (top2[:, 0] - top2[:, 1]) > 0.5
+    assert sure.any()
+    assert torch.equal(got.argmax(-1)[sure], ref.argmax(-1)[sure])
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_int8_outputs_do_not_depend_on_the_batch(model, beam_size):
+    q = quantize_int8(model)
+    lens = torch.tensor([7, 3, 12, 5])
+
+    def search(sources, lens):
+        with torch.no_grad():
+            step = CachedStep.start(q, *encode_src(q, sources))
+            if beam_size == 1:
+                return [h.tokens for h in greedy_search(step, lens)]
+            return [h[0].tokens for h in beam_search(step, lens, beam_size=beam_size)]
+
+    together = search(SOURCES, lens)
+    alone = [search([s], lens[i : i + 1])[0] for i, s in enumerate(SOURCES)]
+    assert together == alone
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+@pytest.mark.parametrize("window", [None, 2])
+def test_the_cache_gives_the_uncached_models_outputs(beam_size, window):
+    model = tiny_model(60, seed=3, attention_window=window)
+    lens = torch.tensor([7, 3, 12, 5])
+    with torch.no_grad():
+        memory, mask = encode_src(model, SOURCES)
+        steps = [CachedStep.start(model, memory, mask, int(lens.max()) + 1),
+                 CachedStep.start(model, memory, mask),  # no reservation: the buffers grow
+                 UncachedStep.start(model, memory, mask)]
+        if beam_size == 1:
+            outs = [[(h.tokens, h.score) for h in greedy_search(s, lens)] for s in steps]
+        else:
+            outs = [[(h.tokens, h.score) for hs in beam_search(s, lens, beam_size=beam_size,
+                                                               nbest=beam_size) for h in hs]
+                    for s in steps]
+    for out in outs[1:]:
+        assert [t for t, _ in out] == [t for t, _ in outs[0]]
+        assert [s for _, s in out] == pytest.approx([s for _, s in outs[0]], abs=1e-4)
+
+
+def test_beams_share_their_sentences_cross_keys_and_reorder_in_place():
+    model = tiny_model(60, seed=3)
+    with torch.no_grad():
+        memory, mask = encode_src(model, SOURCES)
+        step = CachedStep.start(model, memory, mask, 10)
+        B, K = len(SOURCES), 3
+        step = step.select(torch.arange(B).repeat_interleave(K))  # beam search's expansion
+        cache = step.cache
+        assert cache.group == K and cache.cross[0][0].shape[0] == B  # not copied per beam
+        step(torch.ones(B * K, dtype=torch.long))
+        buffer = cache._k[0].data_ptr()
+        order = torch.arange(B * K).view(B, K).flip(1).reshape(-1)  # beams swap within sentences
+        step2 = step.select(order)
+        assert step2.cache._k[0].data_ptr() == buffer  # moved in place, no new buffer
+        assert step2.cache.cross[0][0].shape[0] == B
+        with pytest.raises(IndexError):
+            step.cache.cached_len(0)  # the old cache is spent, loudly
+        # two sentences finish: their cross keys leave with them
+        step3 = step2.select(torch.tensor([0, 1, 2, 9, 10, 11]))
+        assert step3.cache.group == K and step3.cache.cross[0][0].shape[0] == 2
+        assert torch.equal(step3.cache.src_mask, mask[[0, 3]])
