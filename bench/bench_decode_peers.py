@@ -13,13 +13,15 @@ first ``--sentences`` lines of Multi30k test_2016_flickr.en (sorted by length, b
 steps): aiayn with ``min_len``/``max_len``, ``generate`` with ``min_new_tokens``/
 ``max_new_tokens``, CTranslate2 with ``min_decoding_length = max_decoding_length``.
 
-Systems: aiayn fp32 (the reference), aiayn bf16 autocast, aiayn's faster paths
-(``aiayn.decoding.fast``); Hugging Face fp32 and bf16 weights; CTranslate2 fp32 and int8, each
+Systems: ``aiayn.Translator`` at precision fp32 (the reference), bf16 (autocast), int8
+(``aiayn.model.quantize``) and at its default (``aiayn default``: what ``aiayn translate`` picks
+for a model without a run record, decoding's ``auto`` on this machine; the row says which);
+Hugging Face fp32 and bf16 weights; CTranslate2 fp32 and int8, each
 with ``CT2_FORCE_CPU_ISA=AVX512`` and at its default ISA (each CTranslate2 figure runs in a
 child process, since the ISA is fixed when the library loads). Tokenization is outside the
 timed region for the peers and inside it for aiayn (``translate_nbest`` from text).
 
-With ``--device cuda`` every system runs on the GPU (aiayn's CPU-only fast paths and
+With ``--device cuda`` every system runs on the GPU (aiayn int8, a CPU path, and
 CTranslate2's ISA variants left out). On a CPU without AVX-512 the AVX512 variant is skipped (it
 would die of an illegal instruction), and on one without native bf16 so are the bf16 systems
 (emulated bf16 runs 5-45x slower than fp32 there).
@@ -37,6 +39,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -50,6 +53,16 @@ def _read(path: Path, limit: int | None = None) -> list[str]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         lines = [line.strip() for line in f]
     return lines[:limit] if limit else lines
+
+
+def _cpu_class(torch) -> str:
+    """The CPU class as torch sees it: the bf16 class (AVX-512 with native bf16) or the AVX2
+    class, real or simulated (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA set)."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "bf16 class"
+    simulated = any(os.environ.get(v) for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    return f"{torch.backends.cpu.get_cpu_capability()} class" + (" (simulated)" if simulated
+                                                                  else "")
 
 
 def build_marian(out: Path, dims: dict, spm_model: Path, seed: int = 0) -> Path:
@@ -131,7 +144,7 @@ def main() -> int:
                    help="systems to leave out (e.g. hf-fp32 hf-bf16 ct2-default)")
     p.add_argument("--device", default=None,
                    help="cpu or cuda (default: cpu); on CUDA every system runs on the GPU, "
-                        "aiayn's CPU-only fast paths and CTranslate2's ISA variants are left out")
+                        "aiayn int8 (a CPU path) and CTranslate2's ISA variants are left out")
     p.add_argument("--json-out", default=None, help="write all results here as JSON")
     p.add_argument("--work-dir", default=None, help="keep the built models here")
     # child-process mode (CTranslate2 under a chosen ISA)
@@ -193,6 +206,7 @@ def main() -> int:
             "torch": torch.__version__, "device": torch.cuda.get_device_name(device) if on_gpu
             else "cpu", "cpu_capability": capability,
             "cpu_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            "cpu_class": _cpu_class(torch),
             "note": "measured on a shared 2-core machine: compare ratios within one run"}
     try:
         import ctranslate2
@@ -291,7 +305,7 @@ def main() -> int:
                     name = f"ct2 {'fp32' if ct == 'float32' else ct} {isa or 'default'}"
                     if f"ct2-{isa or 'default'}" in args.skip:
                         continue
-                    env = {**os.environ}
+                    env = {**os.environ, "CT2_VERBOSE": "1"}  # it logs the ISA it chose
                     env.pop("CT2_FORCE_CPU_ISA", None)
                     if isa:
                         env["CT2_FORCE_CPU_ISA"] = isa
@@ -300,10 +314,14 @@ def main() -> int:
                            ct, "--beam", str(beam), "--threads", str(args.threads),
                            "--length", str(args.length), "--batch-size", str(args.batch_size),
                            "--repeat", str(args.repeat), "--device", device.type]
-                    res = json.loads(subprocess.run(cmd, env=env, check=True,
-                                                    capture_output=True, text=True).stdout)
+                    proc = subprocess.run(cmd, env=env, check=True, capture_output=True,
+                                          text=True)
+                    res = json.loads(proc.stdout)
+                    used = re.search(r"Selected ISA: (\S+)", proc.stderr)
+                    gemm = re.search(r"GEMM_S8 backend: (\S+)", proc.stderr)
                     record(name, res["seconds"], [t[:-1] for t in res["tokens"]],
-                           lengths=res["lengths"])
+                           lengths=res["lengths"], ct2_isa=used.group(1) if used else None,
+                           ct2_int8_gemm=gemm.group(1) if gemm else None)
             # the peer to beat: CTranslate2 int8 at its faster ISA, measured in this run
             ct2_int8 = [r for name, r in rows.items() if name.startswith("ct2 int8")]
             ref = max(ct2_int8, key=lambda r: r["sent_per_s"]) if ct2_int8 else None
@@ -312,6 +330,8 @@ def main() -> int:
                     row["x_ct2_int8_best"] = row["sent_per_s"] / ref["sent_per_s"]
             results.extend(rows.values())
             if ref:
+                print(f"    CTranslate2 int8 used ISA {ref.get('ct2_isa')} (int8 products: "
+                      f"{ref.get('ct2_int8_gemm')}) on the {info['cpu_class']}", flush=True)
                 print(f"    ratio to {ref['system']} (CTranslate2 int8 at its best ISA here): "
                       + ", ".join(f"{r['system']} {r['x_ct2_int8_best']:.2f}"
                                   for r in rows.values()), flush=True)

@@ -6,12 +6,17 @@
 - ``bf16``: ``torch.autocast(dtype=bfloat16)``: matrix products in bf16, float32 weights;
 - ``bf16-weights`` (training only): forward and backward on a bf16 copy of the weights, Adam on
   the float32 masters (``aiayn.training.loop``);
-- ``auto``: bf16 only where it is faster here. On CUDA that is a device with bf16 support. On a
-  CPU it is decided by :func:`probe_cpu`, which times the model's own matrix-product shapes in
+- ``int8`` (decoding only, on a CPU): an int8 copy of the model
+  (:func:`aiayn.model.quantize.quantize_int8`: int8 weights, per-row int8 activations);
+- ``auto``: a reduced precision only where it is faster here. On CUDA that is bf16 on a
+  device with bf16 support. On a CPU bf16 is decided by :func:`probe_cpu`, which times the
+  model's own matrix-product shapes in
   fp32 and in bf16 for a few tens of milliseconds: CPUs with native bf16 (AVX-512 BF16, AMX)
   run those products 4-5x faster than fp32, CPUs without it (AVX2 only: Zen 3, most laptops)
   emulate them 5-45x slower (45x for a large product on a real Zen 3, 10x for ``nn.Linear`` under
-  autocast there), so the choice is never close and never depends on a CPU's name.
+  autocast there), so the choice is never close and never depends on a CPU's name. For
+  decoding, :func:`probe_int8` times the same shapes in int8 too, and ``auto`` takes the
+  fastest of fp32, bf16 and int8.
 
 Mixed precision is not in the paper (§5.2 trained in float32 on P100 GPUs).
 """

@@ -112,8 +112,27 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
             pytest.approx(100 * p, abs=0.01)
     assert res["right_branching"]["f1"] > 0
     assert res["right_branching"]["gold_brackets"] == res["model"]["gold_brackets"] > 0
+    assert res["gold_round_trip_f1"] == 100.0  # the target form loses nothing
+    assert res["flat"]["matched"] <= res["flat"]["test_brackets"] == 6  # one bracket each
+    for name in ("model", "right_branching", "flat"):  # unlabelled matches include labelled
+        assert res["unlabelled"][name]["matched"] >= res[name]["matched"]
     words = [line.split() for line in (data / "test.src").read_text().splitlines()][:6]
     parsed = (run / "test.parsed").read_text().splitlines()
+    # a PCFG file (bench/pcfg_baseline.py's form) joins the table, on the sentences it holds;
+    # here its "parses" are the right-branching trees of sentences 1 and 3
+    from aiayn.parsing.trees import right_branching, to_line
+
+    pcfg_file = tmp_path / "pcfg.jsonl"
+    pcfg_file.write_text("\n".join([json.dumps({"settings": {"split": "test"}})] + [
+        json.dumps({"index": i, "tree": to_line(right_branching(words[i]))}) for i in (1, 3)]))
+    assert main(["parse", "eval", str(run), "--data", str(data), "--beam-size", "3",
+                 "--pcfg", str(pcfg_file), "--no-progress", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["sentences"] == 2 and res["pcfg"] == res["right_branching"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"index": 1, "tree": "(S (XX no) (XX such))"}))
+    assert main(["parse", "eval", str(run), "--data", str(data), "--pcfg", str(bad)]) == 2
+    assert "sentence 1 is not this split's" in capsys.readouterr().err
     for w, line in zip(words, parsed, strict=True):
         tree = Tree.fromstring(line)
         assert tree.leaves() == w

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         result.update(checkpoint=args.checkpoint[0], src=args.src,
                       decode={**dataclasses.asdict(decode), "nbest": 1,
                               "bf16": translator.precision.uses_bf16,
+                              "precision": translator.precision.chosen,
                               "long_inputs": options["long_inputs"]},
                       sampling=options["sampling"] is not None)
         if len(args.checkpoint) > 1:

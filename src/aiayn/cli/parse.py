@@ -68,7 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         description="Decode the split with beam search constrained to "
                                     "well-formed trees, score labelled-bracket precision, "
                                     "recall and F1 as EVALB does under COLLINS.prm, and score "
-                                    "a right-branching baseline on the same sentences.")
+                                    "right-branching and flat baselines on the same sentences "
+                                    "(and the treebank PCFG's parses, with --pcfg), labelled "
+                                    "and unlabelled.")
     ev.add_argument("checkpoint", metavar="CHECKPOINT",
                     help="a run folder (its newest checkpoint) or a checkpoint folder")
     ev.add_argument("--data", default="runs/parse/data", metavar="DIR",
@@ -80,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="length penalty (default: the model's decode.alpha, 0.3)")
     ev.add_argument("--limit", type=int, default=0, metavar="K",
                     help="parse only the first K sentences; 0: all")
+    ev.add_argument("--max-words", type=int, default=0, metavar="N",
+                    help="score only sentences of at most N words, punctuation included "
+                         "(40: EVALB's second figure); 0: all")
+    ev.add_argument("--pcfg", default=None, metavar="FILE.jsonl",
+                    help="the treebank PCFG's parses of this split (bench/pcfg_baseline.py "
+                         "--out); every system is then scored on the sentences it holds")
     ev.add_argument("--no-constraints", action="store_true",
                     help="plain beam search; malformed outputs are then repaired and counted")
     ev.add_argument("--out", default=None, metavar="DIR",
@@ -201,6 +209,38 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_pcfg(path: Path, sentences: list[list[str]], split: str) -> dict:
+    """index -> tree of a bench/pcfg_baseline.py output file (its settings line first).
+
+    Raises:
+        UserError: a missing file, one of another split, or a tree whose words are not the
+            sentence's (naming the file and line).
+    """
+    from nltk.tree import Tree
+
+    if not path.is_file():
+        raise UserError(f"--pcfg: no file {path}")
+    trees = {}
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if "settings" in record:
+                    if record["settings"].get("split") != split:
+                        raise UserError(f"{path}: parses of the {record['settings'].get('split')}"
+                                        f" split, not {split}")
+                    continue
+                i, tree = int(record["index"]), Tree.fromstring(record["tree"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise UserError(f"{path}, line {n}: not a parse record ({err})") from None
+            if not 0 <= i < len(sentences) or tree.leaves() != sentences[i]:
+                raise UserError(f"{path}, line {n}: sentence {i} is not this split's")
+            trees[i] = tree
+    return trees
+
+
 def _eval(args: argparse.Namespace) -> int:
     from nltk.tree import Tree
 
@@ -208,7 +248,8 @@ def _eval(args: argparse.Namespace) -> int:
     from aiayn.data.corpus import read_lines as read_text_lines
     from aiayn.parsing.decode import parse
     from aiayn.parsing.evalb import score_corpus
-    from aiayn.parsing.trees import delinearize, is_well_formed, repair, right_branching, to_line
+    from aiayn.parsing.trees import (delinearize, flat, is_well_formed, linearize, repair,
+                                     right_branching, to_line)
 
     data = Path(args.data)
     src_path, gold_path = data / f"{args.split}.src", data / f"{args.split}.gold"
@@ -224,8 +265,17 @@ def _eval(args: argparse.Namespace) -> int:
             raise UserError(f"{gold_path}, line {i}: not a tree ({err})") from None
     if len(golds) != len(sentences):
         raise UserError(f"{src_path} has {len(sentences)} lines but {gold_path} {len(golds)}")
+    keep = list(range(len(sentences)))
+    if args.max_words:
+        keep = [i for i in keep if len(sentences[i]) <= args.max_words]
+    pcfg_trees = _read_pcfg(Path(args.pcfg), sentences, args.split) if args.pcfg else None
+    if pcfg_trees is not None:
+        keep = [i for i in keep if i in pcfg_trees]
     if args.limit:
-        sentences, golds = sentences[: args.limit], golds[: args.limit]
+        keep = keep[: args.limit]
+    if not keep:
+        raise UserError(f"no {args.split} sentence left to score (--max-words, --pcfg, --limit)")
+    sentences, golds = [sentences[i] for i in keep], [golds[i] for i in keep]
     model, config, vocab = load_checkpoint(args.checkpoint, args.device or "cpu")
     beam = args.beam_size or config.decode.beam_size
     alpha = config.decode.alpha if args.alpha is None else args.alpha
@@ -241,9 +291,18 @@ def _eval(args: argparse.Namespace) -> int:
             target = repair(target, len(words))
             repaired += 1
         tests.append(delinearize(target, words))
-    model_score = score_corpus(golds, tests)
+    systems = {"model": tests, "right_branching": [right_branching(w) for w in sentences],
+               "flat": [flat(w) for w in sentences]}
+    if pcfg_trees is not None:
+        systems["pcfg"] = [pcfg_trees[i] for i in keep]
+    scores = {name: score_corpus(golds, trees) for name, trees in systems.items()}
+    unlabelled = {name: score_corpus(golds, trees, labeled=False)
+                  for name, trees in systems.items()}
+    # the check that tells a bug from too little data: gold trees through the model's
+    # target form and back score 100
+    round_trip = score_corpus(golds, [delinearize(linearize(g)[1], w)
+                                      for g, w in zip(golds, sentences)])
     labels = Counter(t.label() for g in golds for t in g.subtrees() if not isinstance(t[0], str))
-    baseline = score_corpus(golds, [right_branching(w) for w in sentences])
     out = Path(args.out) if args.out else Path(args.checkpoint)
     if not args.out and (is_checkpoint(out) or not out.is_dir()):
         out = out.parent.parent if is_checkpoint(out) else out.parent  # the run folder
@@ -253,7 +312,10 @@ def _eval(args: argparse.Namespace) -> int:
         "split": args.split, "sentences": len(sentences), "beam_size": beam, "alpha": alpha,
         "max_len": f"input + {config.decode.max_len_b}", "constrained": not args.no_constraints,
         "repaired": repaired, "decode_wall_s": round(decode_s, 1),
-        "model": model_score.to_dict(), "right_branching": baseline.to_dict(),
+        "max_words": args.max_words or None, "pcfg_file": args.pcfg,
+        **{name: sc.to_dict() for name, sc in scores.items()},
+        "unlabelled": {name: sc.to_dict() for name, sc in unlabelled.items()},
+        "gold_round_trip_f1": round_trip.f1,
         "scorer": "EVALB-compatible (COLLINS.prm rules), brackets read with PYEVALB",
         "gold_label_counts": dict(labels.most_common(5)),
     }
@@ -264,8 +326,13 @@ def _eval(args: argparse.Namespace) -> int:
     print(f"aiayn parse eval: {len(sentences)} {args.split} sentences, beam {beam}, alpha "
           f"{alpha}, {'constrained' if not args.no_constraints else 'unconstrained'} decoding "
           f"in {decode_s:.0f} s; {repaired} output(s) repaired")
-    print("  labelled brackets (EVALB, COLLINS.prm)   precision  recall     F1")
-    for name, s in (("model", model_score), ("right-branching baseline", baseline)):
-        print(f"  {name:40s} {s.precision:8.2f} {s.recall:7.2f} {s.f1:7.2f}")
+    names = {"model": "model", "right_branching": "right-branching baseline",
+             "flat": "flat baseline (one bracket)",
+             "pcfg": "treebank PCFG (nltk; parent annot., Markov 1)"}
+    print("  EVALB, COLLINS.prm          labelled: precision  recall     F1   unlabelled F1")
+    for name, sc in scores.items():
+        print(f"  {names[name]:45s} {sc.precision:8.2f} {sc.recall:7.2f} {sc.f1:7.2f} "
+              f"{unlabelled[name].f1:9.2f}")
+    print(f"  check: gold trees linearized and read back score F1 {round_trip.f1:.2f}")
     print(f"  wrote {out / (args.split + '.parsed')} and {out / (args.split + '.results.json')}")
     return 0

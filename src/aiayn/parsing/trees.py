@@ -229,6 +229,12 @@ def right_branching(words: list[str], root: str = "S", inner: str = "NP") -> Tre
     return Tree(root, [leaves[0], tree])
 
 
+def flat(words: list[str], root: str = "S") -> Tree:
+    """The flat baseline: every word (preterminal ``XX``) directly under one ``root`` bracket,
+    so only the sentence's own bracket can match."""
+    return Tree(root, [Tree(PLACEHOLDER, [w]) for w in words])
+
+
 def to_line(tree: Tree) -> str:
     """One-line bracketed form, as EVALB reads it."""
     return tree.pformat(margin=10**9)
