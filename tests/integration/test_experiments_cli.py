@@ -58,6 +58,39 @@ def test_table3_runs_scores_and_resumes(data_dir, tmp_path, capsys):
     assert (out / "rows" / "C1" / "row.json").is_file()
 
 
+def test_table3_trains_rows_in_parallel_with_base_seeds(data_dir, tmp_path, capsys):
+    from aiayn.data.corpus import load_dataset
+
+    argv = ["experiment", "table3", "--scale", "tiny", "--dataset", "files", "--rows",
+            "base,C1", "--minutes-per-row", "0.02", "--dev-sentences", "8", "--out",
+            str(tmp_path / "t3"), "--no-progress", "--json", "--base-seeds", "2",
+            "--parallel", "2"]
+    for split, k in (("train", 200), ("val", 30)):
+        pairs = load_dataset("multi30k", split, "en", "de")
+        for side, lines in (("src", pairs.src[:k]), ("tgt", pairs.tgt[:k])):
+            path = tmp_path / f"{split}.{side}"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            name = {"train": "train", "val": "valid"}[split]
+            argv += ["--set", f"data.{name}_{side}={path}"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["row"], r["job"]) for r in rows] == [("base", "base"), ("base", "base-seed2"),
+                                                    ("C1", "C1")]
+    assert rows[1]["seed"] == rows[0]["seed"] + 1 and rows[1]["N"] == rows[0]["N"]
+    for job in ("base", "base-seed2", "C1"):  # each in its own one-thread process, logged
+        assert "table3: [1/1] row " + job in (tmp_path / "t3" / "rows" / f"{job}.log").read_text()
+    saved = json.loads((tmp_path / "t3" / "table3.json").read_text())
+    spread = saved["base_spread"]
+    assert spread["dev_bleu"]["values"] == [rows[0]["dev_bleu"], rows[1]["dev_bleu"]]
+    assert spread["dev_ppl"]["spread"] == pytest.approx(abs(rows[0]["dev_ppl"] -
+                                                            rows[1]["dev_ppl"]), abs=1e-3)
+    table = (tmp_path / "t3" / "table3.md").read_text()
+    assert "Base row over 2 seeds" in table and "| base (seed " in table
+    # several seeds need the base row
+    assert main(argv[:7] + ["C1"] + argv[8:]) == 2
+    assert "base row" in capsys.readouterr().err
+
+
 def test_table3_rejects_unknown_rows(tmp_path, capsys):
     assert main(["experiment", "table3", "--rows", "base,Q", "--minutes-per-row", "1",
                  "--out", str(tmp_path)]) == 2

@@ -46,6 +46,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="output folder (rows/, table3.md, table3.json, table3.png)")
     t3.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="override a field of the base preset before scaling (repeatable)")
+    t3.add_argument("--base-seeds", type=int, default=1, metavar="K",
+                    help="train the base row K times (train.seed, seed + 1, …); the table "
+                         "gives their spread and marks (†) rows more than twice it from base")
+    t3.add_argument("--parallel", type=int, default=1, metavar="P",
+                    help="rows trained at once, each a process of --threads threads (2 on a "
+                         "2-core machine, one thread each, as the ensemble trains)")
+    t3.add_argument("--threads", type=int, default=None, metavar="T",
+                    help="torch threads of each row's process (default: torch's choice with "
+                         "--parallel 1, else 1)")
+    t3.add_argument("--job", default=None, help=argparse.SUPPRESS)  # one row, in a child
     t3.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     t3.add_argument("--no-progress", action="store_true", help="no progress bars")
     t3.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -82,7 +92,8 @@ def _table3(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import write_json_atomic
     from aiayn.fileio import write_atomic
     from aiayn.config import load_config
-    from aiayn.experiments.table3 import markdown_table, parse_rows, plot_bleu, run_table3
+    from aiayn.experiments.table3 import (base_spread, job_names, markdown_table, parse_rows,
+                                          pending_jobs, plot_bleu, prepare_table3, run_table3)
 
     def say(msg: str) -> None:
         if not args.json:
@@ -92,20 +103,41 @@ def _table3(args: argparse.Namespace) -> int:
         raise UserError(f"--minutes-per-row must be positive, got {args.minutes_per_row}")
     if args.window < 1:
         raise UserError(f"--window must be >= 1, got {args.window}")
+    for name, value in (("--base-seeds", args.base_seeds), ("--parallel", args.parallel)):
+        if value < 1:
+            raise UserError(f"{name} must be at least 1, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be at least 1, got {args.threads}")
     rows = parse_rows(args.rows)
+    job_names(rows, args.base_seeds)  # fails on seeds without the base row, before any work
     overrides = list(args.set) + ([f"data.dataset={args.dataset}"] if args.dataset else [])
     base = load_config(args.scale, overrides)
     out = Path(args.out)
+    threads = args.threads or (1 if args.parallel > 1 else None)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    if args.job is not None:  # one job, in a process the parent started
+        run_table3(base, out, rows, minutes_per_row=args.minutes_per_row, window=args.window,
+                   dev_sentences=args.dev_sentences, base_seeds=args.base_seeds,
+                   only=[args.job], device=args.device, progress=False, log=say)
+        return 0
+    if args.parallel > 1:
+        prepare_table3(base, out, say)
+        _run_jobs_in_parallel(args, pending_jobs(out, rows, args.base_seeds), threads, say)
     results = run_table3(base, out, rows, minutes_per_row=args.minutes_per_row,
                          window=args.window, dev_sentences=args.dev_sentences,
-                         device=args.device, progress=not args.no_progress, log=say)
+                         base_seeds=args.base_seeds, device=args.device,
+                         progress=not args.no_progress, log=say)
     k = results[0]["dev_bleu_sentences"] if results else 0
     title = (f"Table 3 variations on {base.data.dataset} ({base.data.src_lang}->"
              f"{base.data.tgt_lang}), scaled from preset {args.scale}, {args.minutes_per_row:g} "
              f"min per row; dev PPL per subword on the whole validation set; dev BLEU "
              f"(sacreBLEU, cased, detokenized) on its first {k} pairs, beam 4, alpha 0.6, "
              "no averaging")
-    write_json_atomic(out / "table3.json", {"title": title, "rows": results})
+    write_json_atomic(out / "table3.json", {"title": title, "rows": results,
+                                            "base_spread": base_spread(results)})
     table = markdown_table(results, title)
     write_atomic(out / "table3.md", table)
     plot_bleu(results, out / "table3.png",
@@ -116,6 +148,57 @@ def _table3(args: argparse.Namespace) -> int:
         print("\n" + table)
         print(f"wrote {out / 'table3.md'}, {out / 'table3.json'}, {out / 'table3.png'}")
     return 0
+
+
+def _run_jobs_in_parallel(args: argparse.Namespace, jobs: list[str], threads: int,
+                          say) -> None:
+    """Train ``jobs`` ``args.parallel`` at a time, each in a child ``aiayn experiment table3
+    --job JOB`` process of ``threads`` threads logging to ``OUT/rows/JOB.log``.
+
+    Raises:
+        UserError: a job that failed (the end of its log quoted); the others are stopped first.
+    """
+    import os
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "aiayn", "experiment", "table3", "--scale", args.scale,
+            "--rows", args.rows, "--minutes-per-row", str(args.minutes_per_row),
+            "--window", str(args.window), "--dev-sentences", str(args.dev_sentences),
+            "--base-seeds", str(args.base_seeds), "--out", str(args.out),
+            "--threads", str(threads), "--no-progress"]
+    argv += ["--dataset", args.dataset] if args.dataset else []
+    argv += ["--device", args.device] if args.device else []
+    for item in args.set:
+        argv += ["--set", item]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    todo, running = list(jobs), {}
+    logs = Path(args.out) / "rows"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        while todo or running:
+            while todo and len(running) < args.parallel:
+                job = todo.pop(0)
+                log = (logs / f"{job}.log").open("a", encoding="utf-8")
+                say(f"table3: row {job} started ({threads} thread(s); log {logs / job}.log)")
+                running[job] = (subprocess.Popen([*argv, "--job", job], stdout=log,
+                                                 stderr=subprocess.STDOUT, env=env), log)
+            time.sleep(1.0)
+            for job, (proc, log) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[job]
+                if proc.returncode != 0:
+                    tail = (logs / f"{job}.log").read_text(encoding="utf-8")[-800:]
+                    raise UserError(f"table3: row {job} failed (exit {proc.returncode}); the "
+                                    f"end of {logs / job}.log:\n{tail}")
+                say(f"table3: row {job} finished")
+    finally:
+        for proc, log in running.values():
+            proc.terminate()
+            proc.wait()
+            log.close()
 
 
 def _table1(args: argparse.Namespace) -> int:

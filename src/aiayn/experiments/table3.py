@@ -108,6 +108,55 @@ def scale_row(base: Config, row: str, window: int = 4) -> Config:
                         model=type(base.model)(**model), train=type(base.train)(**train))
 
 
+SEED_SUFFIX = "-seed"  # job "base-seed2": the base row again, with train.seed + 1
+
+
+def job_names(rows: list[str], base_seeds: int = 1) -> list[str]:
+    """The trainings a table needs: each row once, and the base row ``base_seeds`` times
+    (``base``, ``base-seed2``, ``base-seed3`` …: train.seed, seed + 1, …), so its spread over
+    seeds can be measured.
+
+    Raises:
+        ValueError: ``base_seeds`` below 1, or above 1 without the base row.
+    """
+    if base_seeds < 1:
+        raise ConfigError(f"base seeds must be at least 1, got {base_seeds}")
+    if base_seeds > 1 and "base" not in rows:
+        raise ConfigError("several base seeds need the base row among the rows")
+    jobs = []
+    for row in rows:
+        jobs.append(row)
+        if row == "base":
+            jobs += [f"base{SEED_SUFFIX}{k}" for k in range(2, base_seeds + 1)]
+    return jobs
+
+
+def job_config(base: Config, job: str, window: int = 4) -> Config:
+    """The config of one job of :func:`job_names`: its row's (:func:`scale_row`), with the seed
+    moved on for a repeated base row."""
+    row, _, k = job.partition(SEED_SUFFIX)
+    config = scale_row(base, row, window)
+    if k:
+        config = config.with_overrides([f"train.seed={base.train.seed + int(k) - 1}"])
+    return config
+
+
+def prepare_table3(base: Config, out_dir: str | Path,
+                   log: Callable[[str], None] = print) -> Path:
+    """``out_dir/vocab``: the one vocabulary every row shares, learned from the base preset's
+    training data unless it is there already. Returns its folder."""
+    from aiayn.data.vocab import Vocabulary
+    from aiayn.training.run import load_split
+
+    vocab_dir = Path(out_dir) / "vocab"
+    if not (vocab_dir / "tokenizer.json").is_file():
+        log(f"table3: learning a {base.data.vocab_size}-token {base.data.vocab_kind} vocabulary")
+        train = load_split(base.data, "train")  # its first train_limit pairs when set
+        Vocabulary.learn(train.src + train.tgt, base.data.vocab_size,
+                         base.data.vocab_kind).save(vocab_dir)
+    return vocab_dir
+
+
 def row_cells(config: Config) -> dict[str, Any]:
     m = config.model
     cells = {k: getattr(m, k) for k in COLUMNS if k != "epsilon_ls"}
@@ -126,32 +175,33 @@ def run_table3(
     minutes_per_row: float,
     window: int = 4,
     dev_sentences: int = 0,
+    base_seeds: int = 1,
+    only: list[str] | None = None,
     device: str | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Train and score each row into ``out_dir/rows/ROW``; resumable.
+    """Train and score each job of :func:`job_names` into ``out_dir/rows/JOB``; resumable.
 
-    A row with ``row.json`` is done and not run again; a row with checkpoints but no
+    A job with ``row.json`` is done and not run again; a job with checkpoints but no
     ``row.json`` was interrupted and continues from its newest checkpoint. One vocabulary,
-    learned once from the base preset's training data, serves every row.
+    learned once from the base preset's training data (:func:`prepare_table3`), serves every
+    row. ``only``: run just these jobs (one process of several running a table at once).
 
     Returns:
-        One result dict per row (the cells, steps, minutes, dev_ppl, dev_bleu, parameters).
+        One result dict per job run or found (the cells, steps, minutes, dev_ppl, dev_bleu,
+        parameters, seed).
     """
     from aiayn.checkpoint import list_checkpoints, write_json_atomic
-    from aiayn.data.vocab import Vocabulary
     from aiayn.training.run import load_split
 
     out_dir = Path(out_dir)
     (out_dir / "rows").mkdir(parents=True, exist_ok=True)
-    configs = {row: scale_row(base, row, window) for row in rows}  # fail before any training
-    vocab_dir = out_dir / "vocab"
-    if not (vocab_dir / "tokenizer.json").is_file():
-        log(f"table3: learning a {base.data.vocab_size}-token {base.data.vocab_kind} vocabulary")
-        train = load_split(base.data, "train")  # its first train_limit pairs when set
-        Vocabulary.learn(train.src + train.tgt, base.data.vocab_size,
-                         base.data.vocab_kind).save(vocab_dir)
+    jobs = job_names(rows, base_seeds)
+    if only is not None:
+        jobs = [j for j in jobs if j in only]
+    configs = {job: job_config(base, job, window) for job in jobs}  # fail before any training
+    vocab_dir = prepare_table3(base, out_dir, log)
     valid = load_split(base.data, "valid")
     if valid is None:
         raise ValueError("table3 needs a validation set (data.valid_src / data.valid_tgt)")
@@ -159,21 +209,51 @@ def run_table3(
         valid = type(valid)(valid.src[:dev_sentences], valid.tgt[:dev_sentences], valid.name,
                             valid.dropped_empty)
     results = []
-    for i, row in enumerate(rows, 1):
-        row_dir = out_dir / "rows" / row
+    for i, job in enumerate(jobs, 1):
+        row_dir = out_dir / "rows" / job
         done = row_dir / "row.json"
         if done.is_file():
             results.append(json.loads(done.read_text(encoding="utf-8")))
-            log(f"table3: [{i}/{len(rows)}] row {row} done before, kept")
+            log(f"table3: [{i}/{len(jobs)}] row {job} done before, kept")
             continue
         resume = bool(list_checkpoints(row_dir))
-        log(f"table3: [{i}/{len(rows)}] row {row}"
-            f"{' (resuming)' if resume else ''}: {row_cells(configs[row])}")
-        result = _run_row(configs[row], row, row_dir, vocab_dir, valid, minutes_per_row,
-                          resume, device, progress, log)
+        log(f"table3: [{i}/{len(jobs)}] row {job}"
+            f"{' (resuming)' if resume else ''}: {row_cells(configs[job])}")
+        result = _run_row(configs[job], job.partition(SEED_SUFFIX)[0], row_dir, vocab_dir,
+                          valid, minutes_per_row, resume, device, progress, log)
+        result["job"] = job
         write_json_atomic(done, result)
         results.append(result)
     return results
+
+
+def pending_jobs(out_dir: str | Path, rows: list[str], base_seeds: int = 1) -> list[str]:
+    """The jobs of :func:`job_names` without a ``row.json`` in ``out_dir/rows`` yet."""
+    return [j for j in job_names(rows, base_seeds)
+            if not (Path(out_dir) / "rows" / j / "row.json").is_file()]
+
+
+def base_spread(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The base row over its seeds: mean and spread (max - min) of dev BLEU and PPL, or None
+    with fewer than two seeds."""
+    runs = [r for r in results if r["row"] == "base"]
+    if len(runs) < 2:
+        return None
+    out: dict[str, Any] = {"seeds": [r.get("seed") for r in runs]}
+    for key in ("dev_bleu", "dev_ppl"):
+        values = [r[key] for r in runs]
+        out[key] = {"mean": round(sum(values) / len(values), 3),
+                    "spread": round(max(values) - min(values), 3), "values": values}
+    return out
+
+
+def beyond_noise(result: dict[str, Any], spread: dict[str, Any] | None, key: str) -> bool:
+    """Whether a row's ``key`` (dev_bleu or dev_ppl) differs from the base seeds' mean by more
+    than twice their spread (False without a measured spread)."""
+    if spread is None or result["row"] == "base":
+        return False
+    s = spread[key]
+    return abs(result[key] - s["mean"]) > 2 * s["spread"]
 
 
 def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: Any,
@@ -211,7 +291,7 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
             "dev_bleu_sentences": len(valid), "bleu_signature": bleu["bleu_signature"],
             "parameters": summary["parameters"], "config": run_config.name,
             "precision": summary["precision"]["chosen"], "dev_beam_size": dc.beam_size,
-            "dev_alpha": dc.alpha}
+            "dev_alpha": dc.alpha, "seed": run_config.train.seed}
 
 
 # --- reporting --------------------------------------------------------------------------------
@@ -224,8 +304,11 @@ def _cell(value: Any, base_value: Any) -> str:
 
 def markdown_table(results: list[dict[str, Any]], title: str = "") -> str:
     """Table 3 as the paper lays it out: blank cells equal the base row; the paper's own dev
-    PPL and BLEU beside ours."""
+    PPL and BLEU beside ours. With the base row over several seeds, a line gives their mean
+    and spread, and † marks a row's PPL or BLEU that differs from that mean by more than twice
+    the spread."""
     base = next((r for r in results if r["row"] == "base"), None)
+    spread = base_spread(results)
     head = ("| | N | d_model | d_ff | h | d_k | d_v | P_drop | ε_ls | positional | r | steps | "
             "minutes | PPL (dev) | BLEU (dev) | params ×10^6 | paper PPL | paper BLEU |")
     lines = [title, ""] if title else []
@@ -237,11 +320,20 @@ def markdown_table(results: list[dict[str, Any]], title: str = "") -> str:
             cells = ["-" if r[k] is None else str(r[k]) for k in keys]
         else:
             cells = [_cell(r[k], base[k]) for k in keys]
+        mark = {k: " †" if beyond_noise(r, spread, k) else "" for k in ("dev_ppl", "dev_bleu")}
+        name = r["row"] if r.get("job", r["row"]) == r["row"] else f"base (seed {r['seed']})"
         lines.append("| " + " | ".join([
-            r["row"], *cells, str(r["steps"]), f"{r['train_minutes']:.1f}",
-            f"{r['dev_ppl']:.2f}", f"{r['dev_bleu']:.1f}", f"{r['parameters'] / 1e6:.1f}",
+            name, *cells, str(r["steps"]), f"{r['train_minutes']:.1f}",
+            f"{r['dev_ppl']:.2f}{mark['dev_ppl']}", f"{r['dev_bleu']:.1f}{mark['dev_bleu']}",
+            f"{r['parameters'] / 1e6:.1f}",
             "" if paper[0] is None else f"{paper[0]:.2f}",
             "" if paper[1] is None else f"{paper[1]:.1f}"]) + " |")
+    if spread is not None:
+        b, p = spread["dev_bleu"], spread["dev_ppl"]
+        lines += ["", f"Base row over {len(spread['seeds'])} seeds {spread['seeds']}: dev BLEU "
+                      f"{b['mean']:.2f} (spread {b['spread']:.2f}), dev PPL {p['mean']:.2f} "
+                      f"(spread {p['spread']:.2f}); † marks a row more than twice the spread "
+                      "from the base mean."]
     return "\n".join(lines) + "\n"
 
 
@@ -253,13 +345,14 @@ def plot_bleu(results: list[dict[str, Any]], path: str | Path, title: str = "") 
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    rows = [r["row"] for r in results]
+    rows = [r.get("job", r["row"]) for r in results]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * len(rows) + 2), 3.2), dpi=100)
     ax.bar(rows, [r["dev_bleu"] for r in results], color="tab:blue", label="this run (left)")
     ax.set_ylabel("dev BLEU (this run)")
     ax.set_title(title or "Table 3 variations: dev BLEU per row", fontsize=9)
     twin = ax.twinx()
-    paper = [(i, PAPER_RESULTS[r][1]) for i, r in enumerate(rows) if r in PAPER_RESULTS]
+    paper = [(i, PAPER_RESULTS[r["row"]][1]) for i, r in enumerate(results)
+             if r["row"] in PAPER_RESULTS]
     if paper:
         twin.plot([p[0] for p in paper], [p[1] for p in paper], "o", color="tab:orange",
                   label="paper, newstest2013 (right)")
