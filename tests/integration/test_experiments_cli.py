@@ -146,6 +146,7 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
     assert res["right_branching"]["f1"] > 0
     assert res["right_branching"]["gold_brackets"] == res["model"]["gold_brackets"] > 0
     assert res["gold_round_trip_f1"] == 100.0  # the target form loses nothing
+    assert 0.0 <= res["teacher_forced_accuracy"] <= 100.0
     assert res["flat"]["matched"] <= res["flat"]["test_brackets"] == 6  # one bracket each
     for name in ("model", "right_branching", "flat"):  # unlabelled matches include labelled
         assert res["unlabelled"][name]["matched"] >= res[name]["matched"]

@@ -246,7 +246,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     from aiayn.checkpoint import is_checkpoint, load_checkpoint, write_json_atomic
     from aiayn.data.corpus import read_lines as read_text_lines
-    from aiayn.parsing.decode import parse
+    from aiayn.parsing.decode import parse, teacher_forced_accuracy
     from aiayn.parsing.evalb import score_corpus
     from aiayn.parsing.trees import (delinearize, flat, is_well_formed, linearize, repair,
                                      right_branching, to_line)
@@ -277,6 +277,13 @@ def _eval(args: argparse.Namespace) -> int:
         raise UserError(f"no {args.split} sentence left to score (--max-words, --pcfg, --limit)")
     sentences, golds = [sentences[i] for i in keep], [golds[i] for i in keep]
     model, config, vocab = load_checkpoint(args.checkpoint, args.device or "cpu")
+    tgt_path = data / f"{args.split}.tgt"
+    accuracy = None
+    if tgt_path.is_file():  # teacher-forced token accuracy: learned the language at all?
+        gold_targets = [line.split() for line in read_text_lines(tgt_path)]
+        accuracy = teacher_forced_accuracy(model, vocab, sentences,
+                                           [gold_targets[i] for i in keep],
+                                           batch_size=config.decode.batch_size)
     beam = args.beam_size or config.decode.beam_size
     alpha = config.decode.alpha if args.alpha is None else args.alpha
     t0 = time.monotonic()
@@ -316,6 +323,7 @@ def _eval(args: argparse.Namespace) -> int:
         **{name: sc.to_dict() for name, sc in scores.items()},
         "unlabelled": {name: sc.to_dict() for name, sc in unlabelled.items()},
         "gold_round_trip_f1": round_trip.f1,
+        "teacher_forced_accuracy": None if accuracy is None else round(accuracy, 2),
         "scorer": "EVALB-compatible (COLLINS.prm rules), brackets read with PYEVALB",
         "gold_label_counts": dict(labels.most_common(5)),
     }
@@ -334,5 +342,7 @@ def _eval(args: argparse.Namespace) -> int:
         print(f"  {names[name]:45s} {sc.precision:8.2f} {sc.recall:7.2f} {sc.f1:7.2f} "
               f"{unlabelled[name].f1:9.2f}")
     print(f"  check: gold trees linearized and read back score F1 {round_trip.f1:.2f}")
+    if accuracy is not None:
+        print(f"  check: teacher-forced token accuracy {accuracy:.2f}% (the gold prefix given)")
     print(f"  wrote {out / (args.split + '.parsed')} and {out / (args.split + '.results.json')}")
     return 0

@@ -149,3 +149,38 @@ def parse(model, vocab: Vocabulary, sentences: list[list[str]], *, beam_size: in
     if bar is not None:
         bar.close()
     return out
+
+
+@torch.inference_mode()
+def teacher_forced_accuracy(model, vocab: Vocabulary, sentences: list[list[str]],
+                            targets: list[list[str]], *, batch_size: int = 32) -> float:
+    """Share (%) of target tokens, EOS included, that are the model's argmax given the gold
+    prefix (teacher forcing, as in training): a check that separates a model that has not
+    learned the target language from a search that loses what it learned.
+
+    Args:
+        sentences: tokenized words; targets: their linearized trees (tokens, no EOS).
+    """
+    from aiayn.data.batching import pad_sources
+    from aiayn.data.vocab import PAD_ID
+    from aiayn.decoding.translate import encode_sources
+
+    model.eval()
+    device = next(model.parameters()).device
+    max_len = model.config.max_len
+    sources = encode_sources(vocab, [" ".join(s) for s in sentences], max_len,
+                             long_inputs="truncate", warn=lambda msg: None)
+    outputs = [ids[: max_len - 2] + [EOS_ID]
+               for ids in vocab.encode_batch([" ".join(t) for t in targets])]
+    correct = total = 0
+    for start in range(0, len(sources), batch_size):
+        src = pad_sources(sources[start : start + batch_size]).to(device)
+        out = pad_sources(outputs[start : start + batch_size]).to(device)  # (B, T)
+        tgt_in = torch.cat([torch.full_like(out[:, :1], model.config.decoder_start_id),
+                            out[:, :-1]], dim=1)
+        tgt_in = tgt_in.masked_fill(tgt_in == EOS_ID, PAD_ID)
+        logits = model(src, tgt_in)  # (B, T, V)
+        real = out != PAD_ID
+        correct += int(((logits.argmax(-1) == out) & real).sum())
+        total += int(real.sum())
+    return 100.0 * correct / max(1, total)
