@@ -6,9 +6,11 @@ positions decoded so far, and the encoder-decoder keys and values, computed once
 How it moves data (what makes decoding fast on a CPU):
 
 - **Self-attention keys and values live in preallocated buffers** (rows, h, capacity, d),
-  written in place at each step; nothing is concatenated. The buffers start at the longest
-  output the caller reserves (:meth:`Transformer.start_cache`'s ``capacity``), at most
-  :data:`FIRST_BUFFER` positions, and double when they run out.
+  written in place at each step; nothing is concatenated. The buffers hold the longest output
+  the caller reserves (:meth:`Transformer.start_cache`'s ``capacity``: the searches reserve
+  their length limit), and double when they run out. Growing costs a copy, and the allocator
+  may keep the old buffers: with the limit reserved, decoding memory besides the cache stays
+  flat in output length (``bench/bench_decode_memory.py``).
 - **Encoder-decoder keys and values are kept once per sentence**, never per beam: the
   ``group`` rows of a sentence (its beams) attend to them as ``group`` queries of one
   attention call. Beam search's reorders therefore never copy them.
@@ -24,11 +26,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-
-# positions the buffers first hold at most, however many the caller reserves; they double
-# from there as needed (a search's limit is input + 50 tokens, most outputs are far shorter)
-FIRST_BUFFER = 64
 
 
 class DecoderCache:
@@ -108,8 +105,8 @@ class DecoderCache:
         first = self._k[0]
         if first is not None and self._lo + need <= first.shape[2]:
             return
-        if first is None:  # the reservation, up to FIRST_BUFFER positions
-            capacity = max(need, min(self.capacity, FIRST_BUFFER))
+        if first is None:  # the reservation
+            capacity = max(need, self.capacity)
         else:  # compact in place if half is free, else double (up to the reservation)
             size = first.shape[2]
             capacity = size if need <= size // 2 else max(need, 2 * size)
