@@ -128,3 +128,18 @@ def test_beams_share_their_sentences_cross_keys_and_reorder_in_place():
         step3 = step2.select(torch.tensor([0, 1, 2, 9, 10, 11]))
         assert step3.cache.group == K and step3.cache.cross[0][0].shape[0] == 2
         assert torch.equal(step3.cache.src_mask, mask[[0, 3]])
+
+
+def test_the_int8_products_are_exact_on_this_cpu():
+    """Without VNNI (the AVX2 class) oneDNN's int8 product saturates pair sums at int16 for
+    full-range weights; Int8Linear then keeps its weights to 7 bits (weight_levels), so on
+    either class the int32 sums are exact, as the row independence above needs."""
+    from aiayn.model.quantize import _quantize_rows, weight_levels
+
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(torch.nn.Linear(256, 96))
+    assert int(q.weight_int8.abs().max()) == weight_levels() in (63, 127)
+    x8, _ = _quantize_rows(torch.randn(40, 256) * 5)  # full-range activations
+    assert int(x8.abs().max()) == 127
+    assert torch.equal(torch._int_mm(x8, q.weight_int8.t()),
+                       x8.int() @ q.weight_int8.int().t())

@@ -3,15 +3,17 @@
 :func:`quantize_int8` returns an inference copy of a model in which each ``nn.Linear`` of the
 encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Linear`:
 
-- weights: symmetric int8 with one scale per output row (``W ~ s_w[o] * W8[o, :]``), made once;
+- weights: symmetric int8 with one scale per output row (``W ~ s_w[o] * W8[o, :]``), made once
+  (7 bits, [-63, 63], on a CPU whose int8 product saturates at full range: :func:`weight_levels`);
 - activations: symmetric int8 with one scale per *input row* (per token, per beam row), made
   at each call from that row alone (``x ~ s_x[r] * x8[r, :]``);
 - the product ``x8 @ W8^T`` runs in ``torch._int_mm`` with int32 accumulation, which is exact,
   then ``y = s_x[r] * s_w[o] * acc + b``.
 
-Since no scale and no sum mixes rows, a sentence's output does not depend on what else is in
-its batch (unlike per-tensor dynamic quantization, whose one activation scale is the batch's
-largest value). Everything between the linear maps (embeddings, positions, LayerNorm, softmax,
+No scale and no sum mixes rows (unlike per-tensor dynamic quantization, whose one activation
+scale is the batch's largest value), so each row's product is independent of its batch. The
+float parts around the products are not quite: attention over a batch padded to another length
+can round differently in the last bit, and int8 rounding can turn that into another token. Everything between the linear maps (embeddings, positions, LayerNorm, softmax,
 attention products, residuals, the caches) stays float32.
 
 The model itself is not changed; the copy shares nothing with it that training could move
@@ -21,15 +23,33 @@ The model itself is not changed; the copy shares nothing with it that training c
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 from torch import Tensor, nn
 
 
-def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 per row of ``x`` (..., k): (int8 (..., k), float32 scales (..., 1))."""
-    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+def _quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row of ``x`` (..., k), values in [-levels, levels]:
+    (int8 (..., k), float32 scales (..., 1))."""
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(float(levels))
     return torch.round(x / scale).to(torch.int8), scale
+
+
+@functools.cache
+def weight_levels() -> int:
+    """127, or 63 where this CPU's int8 product is not exact at full range.
+
+    Without VNNI (the AVX2 class), oneDNN multiplies int8 pairs with ``vpmaddubsw``, whose
+    int16 sums of two products saturate: full-range weights then give wrong sums (seen on the
+    simulated AVX2 class: errors of 10^5 on random int8 matrices). Weights of 7 bits,
+    [-63, 63], keep every pair sum within int16 whatever the activations, as fbgemm's
+    ``reduce_range`` does. Decided by one exactness probe, not by the CPU's name."""
+    a = torch.full((32, 64), 127, dtype=torch.int8)
+    b = torch.full((64, 32), 127, dtype=torch.int8)
+    exact = torch.equal(torch._int_mm(a, b), torch.full((32, 32), 64 * 127 * 127,
+                                                          dtype=torch.int32))
+    return 127 if exact else 63
 
 
 class Int8Linear(nn.Module):
@@ -44,7 +64,7 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         super().__init__()
         w = weight.detach().float()
-        w8, scale = _quantize_rows(w)
+        w8, scale = _quantize_rows(w, weight_levels())
         self.out_features, self.in_features = w.shape
         # (in, out) view of the (out, in) rows: the layout torch._int_mm runs fastest on
         self.register_buffer("weight_int8", w8)
