@@ -69,25 +69,12 @@ def load_records(path: Path, settings: dict, sentences: list[list[str]], *,
         with path.open("r+", encoding="utf-8") as f:
             f.truncate(len(text[:keep].encode("utf-8")))
         text = text[:keep]
-    records: dict[int, dict] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}, line {n}: not JSON ({err})") from None
-        if n == 1:
-            written = rec.get("settings") or {}
-            if score_only and written.get("split") == settings["split"]:
-                settings.update(written)  # reported with the scores
-            elif written != settings:
-                raise ValueError(f"{path} was written with settings {written}, not "
-                                 f"{settings}: give another --out")
-            continue
-        i = rec["index"]
-        if not 0 <= i < len(sentences) or Tree.fromstring(rec["tree"]).leaves() != sentences[i]:
-            raise ValueError(f"{path}, line {n}: the tree of sentence {i} does not have the "
-                             "words of the data given: written from other data?")
-        records[i] = rec
+    written, records = pcfg.read_parses(path, sentences)
+    if score_only and written.get("split") == settings["split"]:
+        settings.update(written)  # reported with the scores
+    elif written != settings:
+        raise ValueError(f"{path} was written with settings {written}, not {settings}: give "
+                         "another --out")
     return records
 
 

@@ -166,7 +166,7 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"index": 1, "tree": "(S (XX no) (XX such))"}))
     assert main(["parse", "eval", str(run), "--data", str(data), "--pcfg", str(bad)]) == 2
-    assert "sentence 1 is not this split's" in capsys.readouterr().err
+    assert "the tree of sentence 1 does not have the words" in capsys.readouterr().err
     for w, line in zip(words, parsed, strict=True):
         tree = Tree.fromstring(line)
         assert tree.leaves() == w

@@ -176,6 +176,9 @@ def test_a_run_records_int8_only_within_the_bleu_margin(monkeypatch, members, vo
     assert got["identical"] == pytest.approx(same, abs=1e-4)
     assert got["chosen"] == chosen, got["reason"]
     assert (got["fp32"], got["int8"]) == (30.0, 30.0 - int8_loss)
+    seen.clear()  # the caller's own fp32 output is used, not decoded again: the same verdict
+    again = check_reduced_precision(translator, LINES, bleu, decode, fp32_hyps=want["fp32"])
+    assert seen == [want["fp32"], want["int8"]] and again == got
     monkeypatch.setattr(precision, "probe_int8", lambda model, rows: 1e-6)  # int8 is slow
     monkeypatch.setattr(precision, "probe_cpu", lambda model, rows: (100.0, 1.0))
     seen.clear()

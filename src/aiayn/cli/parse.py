@@ -210,35 +210,25 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _read_pcfg(path: Path, sentences: list[list[str]], split: str) -> dict:
-    """index -> tree of a bench/pcfg_baseline.py output file (its settings line first).
+    """index -> tree of a bench/pcfg_baseline.py output file
+    (:func:`aiayn.parsing.pcfg.read_parses`).
 
     Raises:
-        UserError: a missing file, one of another split, or a tree whose words are not the
-            sentence's (naming the file and line).
+        UserError: a missing file, one of another split, or a bad record (file and line named).
     """
     from nltk.tree import Tree
 
+    from aiayn.parsing.pcfg import read_parses
+
     if not path.is_file():
         raise UserError(f"--pcfg: no file {path}")
-    trees = {}
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if "settings" in record:
-                    if record["settings"].get("split") != split:
-                        raise UserError(f"{path}: parses of the {record['settings'].get('split')}"
-                                        f" split, not {split}")
-                    continue
-                i, tree = int(record["index"]), Tree.fromstring(record["tree"])
-            except (ValueError, KeyError, TypeError) as err:
-                raise UserError(f"{path}, line {n}: not a parse record ({err})") from None
-            if not 0 <= i < len(sentences) or tree.leaves() != sentences[i]:
-                raise UserError(f"{path}, line {n}: sentence {i} is not this split's")
-            trees[i] = tree
-    return trees
+    try:
+        settings, records = read_parses(path, sentences)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if settings.get("split", split) != split:
+        raise UserError(f"{path}: parses of the {settings['split']} split, not {split}")
+    return {i: Tree.fromstring(rec["tree"]) for i, rec in records.items()}
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
+                            fp32_hyps: list[str] | None = None,
                             progress: bool = False) -> dict[str, Any]:
     """Whether the run may decode in int8 by default: val BLEU at ``decode`` in fp32 and in
     int8 (:func:`aiayn.model.quantize.quantize_int8`), on the members ``translator`` holds.
@@ -65,6 +66,8 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
     Args:
         translator: the chosen members, at any precision (their float weights are used).
         sources: val sentences, the model's text; bleu: hypotheses -> BLEU.
+        fp32_hyps: the fp32 output of ``sources`` at ``decode``, when the caller has it
+            (the pipeline does, from choosing the settings); else decoded here.
 
     Returns:
         ``{"chosen": "fp32"|"int8", "reason", "fp32": BLEU, "int8": BLEU or None,
@@ -75,14 +78,16 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
     from aiayn.translator import Translator
 
     search = dataclasses.asdict(decode)
-    outputs, scores = {}, {}
     auto = choose_precision("auto", translator.device, translator.config.model,
                             training=False)
+    outputs = {} if fp32_hyps is None else {"fp32": fp32_hyps}
     for precision in ("fp32", "int8"):
-        t = Translator(translator.models, translator.vocab, config=translator.config,
-                       decode=decode, device=translator.device, precision=precision)
-        outputs[precision] = t.translate(sources, preprocessed=True, progress=progress, **search)
-        scores[precision] = round(bleu(outputs[precision]), 2)
+        if precision not in outputs:
+            t = Translator(translator.models, translator.vocab, config=translator.config,
+                           decode=decode, device=translator.device, precision=precision)
+            outputs[precision] = t.translate(sources, preprocessed=True, progress=progress,
+                                             **search)
+    scores = {precision: round(bleu(hyps), 2) for precision, hyps in outputs.items()}
     same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"])) / max(1, len(sources))
     loss = scores["fp32"] - scores["int8"]
     fast = (auto.int8_gops or 0.0) >= BF16_MIN_SPEEDUP * (auto.fp32_gflops or float("inf"))
@@ -148,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.training.average import average_checkpoints
     from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
                                          train_members)
+    from aiayn.precision import default_decoding_precision
     from aiayn.training.run import load_raw_split, load_split, run_training
 
     def say(msg: str) -> None:
@@ -290,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
         candidates.append("ema")
     width, alpha = widths[0], dc.alpha
     translator = None
+    val_hyps: dict[tuple[str, str], list[str]] = {}  # (width, alpha) -> fp32 val output
     if valid is not None and len(valid):
         refs = valid.tgt if lc_tok or d.dataset != "multi30k" else \
             [multi30k_tokenize(r, d.tgt_lang) for r in valid.tgt]
@@ -299,7 +306,8 @@ def run(args: argparse.Namespace) -> int:
                 f"alpha {', '.join(map(str, alphas))}")
             scores_k = by_average[str(k)] = {}
             for a in alphas:
-                scores_k[str(a)] = round(bleu_of(translate(translator, valid.src, a), refs), 2)
+                val_hyps[(str(k), str(a))] = translate(translator, valid.src, a)
+                scores_k[str(a)] = round(bleu_of(val_hyps[(str(k), str(a))], refs), 2)
                 say(f"      val BLEU, {_described(k)}, alpha {a}: {scores_k[str(a)]:.2f}")
         width, alpha = max(((k, a) for k in candidates for a in alphas),
                            key=lambda ka: by_average[str(ka[0])][str(ka[1])])
@@ -310,12 +318,13 @@ def run(args: argparse.Namespace) -> int:
     chosen = dataclasses.replace(dc, alpha=alpha)
     members_used = translator.source
     precision_check = None
-    # a run trained in fp32 because its config asked for it decodes in fp32 (the rule of
-    # aiayn.precision.default_decoding_precision); the others may take int8 (check below)
+    # a run trained in fp32 because its config asked for it decodes in fp32
+    # (default_decoding_precision); the others may take int8
     if valid is not None and len(valid) and device.type == "cpu" and \
-            config.train.precision != "fp32":
+            default_decoding_precision(config.train.precision) != "fp32":
         precision_check = check_reduced_precision(
             translator, valid.src, lambda hyps: bleu_of(hyps, refs), chosen,
+            fp32_hyps=val_hyps.get((str(width), str(alpha))),
             progress=not args.no_progress and not args.json)
         decode_precision = precision_check["chosen"]
         say(f"[3/4] decoding precision: {precision_check['reason']}")

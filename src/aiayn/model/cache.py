@@ -130,6 +130,9 @@ class DecoderCache:
         sentence when the new rows of each sentence are adjacent and equally many."""
         sentence = torch.div(index, self.group, rounding_mode="floor")
         n = sentence.shape[0]
+        if n == self.batch_size and torch.equal(  # beams reordered within their sentences:
+                sentence, torch.arange(n, device=index.device) // self.group):  # (most steps)
+            return self.cross, self.src_mask, self.group
         first = torch.ones(n, dtype=torch.bool, device=index.device)
         first[1:] = sentence[1:] != sentence[:-1]
         starts = first.nonzero().squeeze(1)
@@ -139,9 +142,8 @@ class DecoderCache:
                    and bool((starts == torch.arange(0, n, g, device=index.device)).all())
                    and bool((live[1:] > live[:-1]).all()))
         pick = live if grouped else sentence
-        if grouped and pick.shape[0] == self.src_mask.shape[0] and bool(
-                (pick == torch.arange(pick.shape[0], device=pick.device)).all()):
-            return self.cross, self.src_mask, g  # the same sentences: nothing to copy
+        if grouped and pick.shape[0] == self.src_mask.shape[0]:  # the same sentences, regrouped
+            return self.cross, self.src_mask, g
         cross = [(k.index_select(0, pick), v.index_select(0, pick)) for k, v in self.cross]
         return cross, self.src_mask.index_select(0, pick), g if grouped else 1
 

@@ -73,6 +73,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        """The int8 copy of ``linear`` (weight (out, in), bias (out,) or None)."""
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -31,10 +31,12 @@ The steps, each nltk's own:
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from pathlib import Path
 from dataclasses import dataclass
 
 from nltk.grammar import PCFG, Nonterminal, ProbabilisticProduction, induce_pcfg
@@ -274,3 +276,37 @@ def score(golds: list[Tree], tests: list[Tree]) -> dict[str, BracketScore]:
     """
     return {"labeled": score_corpus(golds, tests, labeled=True),
             "unlabeled": score_corpus(golds, tests, labeled=False)}
+
+
+def read_parses(path: str | Path, sentences: list[list[str]]) -> tuple[dict, dict[int, dict]]:
+    """A parse file of ``bench/pcfg_baseline.py``: its settings (first line) and its records,
+    sentence index -> ``{"index", "tree", ...}`` (one JSON object a line).
+
+    Args:
+        sentences: the split's tokenized sentences; every record's tree must have the words
+            of the sentence it names.
+
+    Raises:
+        ValueError: a line that is not a JSON record, or a tree whose words are not its
+            sentence's (file and line named).
+    """
+    path = Path(path)
+    settings: dict = {}
+    records: dict[int, dict] = {}
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                if n == 1 and "settings" in rec:
+                    settings = rec["settings"] or {}
+                    continue
+                i, tree = int(rec["index"]), Tree.fromstring(rec["tree"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path}, line {n}: not a parse record ({err})") from None
+            if not 0 <= i < len(sentences) or tree.leaves() != sentences[i]:
+                raise ValueError(f"{path}, line {n}: the tree of sentence {i} does not have "
+                                 "the words of this split's sentence: written from other data?")
+            records[i] = rec
+    return settings, records
