@@ -46,10 +46,7 @@ class _Watched:
         return out
 
     def select(self, index):
-        out = _Watched.__new__(_Watched)
-        out.inner, out.seen, out.start_id = self.inner.select(index), self.seen, self.start_id
-        out.seen[0] = out.inner.cache
-        return out
+        return _Watched(self.inner.select(index), self.seen)
 
 
 def child(length: int, precision: str, beam: int, batch_size: int, threads: int) -> dict:
