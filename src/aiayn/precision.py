@@ -235,9 +235,27 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
     return Precision(requested, requested, f"{note}; {rates}", round(fp32, 1), round(bf16, 1))
 
 
-def default_decoding_precision(train_precision: str) -> str:
+def default_decoding_precision(recorded: str | None = None,
+                               device: torch.device | str = "cpu") -> str:
     """The decoding precision a model gets when none is asked for (``aiayn translate``,
-    ``evaluate``, the pipeline, Table 3): ``fp32`` for a model trained with
-    ``train.precision = "fp32"`` (asked for explicitly, so kept), else ``auto``, which decides
-    on the machine that decodes."""
-    return "fp32" if train_precision == "fp32" else "auto"
+    ``evaluate``, ``serve``, ``Translator``, Table 3): the one a finished run recorded after
+    its fidelity check (``generation_config.json``: int8 where it kept val BLEU within 0.2 of
+    fp32, :func:`aiayn.cli.pipeline.check_reduced_precision`), else ``fp32``. A model nobody
+    checked (a checkpoint, an import, a run trained in fp32) decodes in fp32: a reduced
+    precision changes outputs (bf16 is not even batch-invariant on a CPU), so it is chosen only
+    with evidence or when asked for (``auto``, ``bf16``, ``int8``). A recorded int8 is a CPU
+    choice: on another device it gives ``fp32``."""
+    import torch
+
+    if recorded is None or recorded == "auto":
+        return "fp32"
+    if recorded == "int8" and torch.device(device).type != "cpu":
+        return "fp32"
+    return recorded
+
+
+def may_reduce_decoding_precision(train_precision: str) -> bool:
+    """Whether the pipeline checks a reduced decoding precision for a run at all: not for a
+    run trained with ``train.precision = "fp32"`` (asked for explicitly, so kept for
+    decoding too)."""
+    return train_precision != "fp32"

@@ -264,9 +264,9 @@ class Translator:
             ``ModelConfig`` with default settings elsewhere (raw text, §6.1's search).
         decode: the decode defaults (default: ``config.decode``).
         device: a torch device name (default: where the first model is).
-        precision: "fp32", "bf16", "int8" or "auto" (default: fp32 for a model trained with
-            ``train.precision = "fp32"``, else auto: the fastest of fp32, bf16 and int8 that a
-            short probe finds on this machine, :func:`aiayn.precision.choose_precision`).
+        precision: "fp32", "bf16", "int8" or "auto" (the fastest of fp32, bf16 and int8 that
+            a short probe finds on this machine, :func:`aiayn.precision.choose_precision`);
+            default fp32 (:func:`aiayn.precision.default_decoding_precision`).
         source: where the models came from (paths), for messages and ``aiayn serve``'s /info.
         warn: receives warnings about the input (default: the ``aiayn`` logger).
 
@@ -297,7 +297,7 @@ class Translator:
         self.source = source or []
         self._decode = decode or config.decode
         self.warn = warn or logger.warning
-        requested = precision or default_decoding_precision(config.train.precision)
+        requested = precision or default_decoding_precision(None, self.device)
         self.precision = choose_precision(requested, self.device, config.model, training=False)
         self._int8_models: list | None = None  # made at the first int8 decode, then kept
 
@@ -335,15 +335,14 @@ class Translator:
                 weights that do not fit their config.
         """
         from aiayn.devices import choose_device
+        from aiayn.precision import default_decoding_precision
 
         dev = choose_device(device)
         loaded = load_pretrained(path, dev, warn or logger.warning)
         record = loaded.record
         decode = record.get("decode", loaded.config.decode)
-        if precision is None:  # the run's own, else the model's rule
-            precision = record.get("precision")
-            if precision == "int8" and dev.type != "cpu":
-                precision = None  # int8 is the run's CPU choice; a GPU decides for itself
+        if precision is None:  # what the run's fidelity check recorded, else fp32
+            precision = default_decoding_precision(record.get("precision"), dev)
         return cls(loaded.models, loaded.vocab, config=loaded.config, decode=decode, device=dev,
                    precision=precision, source=loaded.sources, warn=warn)
 

@@ -8,7 +8,8 @@ import torch
 
 import aiayn.precision as precision
 from aiayn.config import load_config
-from aiayn.precision import choose_precision, default_decoding_precision, probe_cpu
+from aiayn.precision import (choose_precision, default_decoding_precision,
+                             may_reduce_decoding_precision, probe_cpu)
 
 MODEL = load_config("multi30k").model
 
@@ -56,10 +57,13 @@ def test_an_explicit_precision_is_kept_and_a_slow_bf16_is_said(monkeypatch):
         choose_precision("bf16-weights", "cpu", MODEL, training=False)
 
 
-def test_decoding_keeps_an_asked_fp32_and_decides_the_rest_on_the_machine():
-    assert default_decoding_precision("fp32") == "fp32"
-    assert [default_decoding_precision(p) for p in ("auto", "bf16", "bf16-weights")] == \
-        ["auto"] * 3
+def test_decoding_defaults_to_fp32_unless_a_check_recorded_another():
+    assert default_decoding_precision() == "fp32"
+    assert default_decoding_precision("auto") == "fp32"
+    assert default_decoding_precision("int8") == "int8"
+    assert default_decoding_precision("int8", "cuda") == "fp32"  # int8 is a CPU choice
+    assert not may_reduce_decoding_precision("fp32")
+    assert all(may_reduce_decoding_precision(p) for p in ("auto", "bf16", "bf16-weights"))
 
 
 def test_the_real_probe_follows_the_cpus_bf16_support():

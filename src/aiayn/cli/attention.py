@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="length penalty (default: the checkpoint's decode.alpha)")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--precision", choices=DECODE_PRECISIONS, default=None,
-                   help="as aiayn translate's (default: fp32 for a model trained in fp32, "
-                        "else auto)")
+                   help="as aiayn translate's (default: what a finished run recorded, "
+                        "else fp32)")
 
 
 def _source(args: argparse.Namespace) -> str:

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.training.average import average_checkpoints
     from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
                                          train_members)
-    from aiayn.precision import default_decoding_precision
+    from aiayn.precision import may_reduce_decoding_precision
     from aiayn.training.run import load_raw_split, load_split, run_training
 
     def say(msg: str) -> None:
@@ -319,9 +319,9 @@ def run(args: argparse.Namespace) -> int:
     members_used = translator.source
     precision_check = None
     # a run trained in fp32 because its config asked for it decodes in fp32
-    # (default_decoding_precision); the others may take int8
+    # (may_reduce_decoding_precision); the others may take int8
     if valid is not None and len(valid) and device.type == "cpu" and \
-            default_decoding_precision(config.train.precision) != "fp32":
+            may_reduce_decoding_precision(config.train.precision):
         precision_check = check_reduced_precision(
             translator, valid.src, lambda hyps: bleu_of(hyps, refs), chosen,
             fp32_hyps=val_hyps.get((str(width), str(alpha))),

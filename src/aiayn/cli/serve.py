@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--precision", choices=DECODE_PRECISIONS, default=None,
-                   help="as aiayn translate's (default: fp32 for a model trained in fp32, "
-                        "else auto)")
+                   help="as aiayn translate's (default: what a finished run recorded, "
+                        "else fp32)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for decoding (default: torch's choice)")
     g = p.add_argument_group("limits (a request over one is refused with 413, 422 or 429)")

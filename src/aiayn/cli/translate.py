@@ -49,8 +49,7 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
                    help="fp32 (the reference); bf16 (autocast); int8 (int8 weights and "
                         "per-row int8 activations, CPU); auto: the fastest of these that a "
                         "short probe finds on this machine (default: what a finished run "
-                        "recorded, int8 where it kept val BLEU within 0.2 of fp32; fp32 for a "
-                        "model trained with train.precision = fp32; else auto)")
+                        "recorded, int8 where it kept val BLEU within 0.2 of fp32; else fp32)")
     p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                    help="the same as --precision bf16")
 
