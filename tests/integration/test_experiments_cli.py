@@ -173,6 +173,38 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
         assert is_well_formed(linearize(tree)[1], len(w))
 
 
+def test_parse_words_form_with_labelled_closes_and_an_ensemble(data_dir, tmp_path, capsys):
+    """The words+labelled-close form end to end: prepare writes it (and says so in
+    split.json), eval reads it back from there, decodes an ensemble of two runs with it, and
+    every output is a tree of the sentence's words."""
+    data = tmp_path / "data"
+    assert main(["parse", "prepare", "--treebank",
+                 str(data_dir / "ptb-sample" / "treebank.zip"), "--out", str(data),
+                 "--max-files", "12", "--target-form", "words+labelled-close", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target_form"] == "words+labelled-close"
+    first = (data / "train.tgt").read_text().splitlines()[0].split()
+    words = (data / "train.src").read_text().splitlines()[0].split()
+    assert [t for t in first if t[0] not in "()"] == words  # the words, not XX
+    assert any(t.startswith(")") and len(t) > 1 for t in first)  # labelled closes
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for seed, run in enumerate(runs):
+        assert main(["parse", "train", "--data", str(data), "--run-dir", str(run),
+                     "--minutes", "0.02", "--set", "model.N=1", "--set", "model.d_model=32",
+                     "--set", "model.d_ff=64", "--set", "model.d_k=8", "--set", "model.d_v=8",
+                     "--set", f"train.seed={seed}", "--no-progress", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["parse", "eval", *map(str, runs), "--data", str(data), "--beam-size", "2",
+                 "--limit", "5", "--out", str(tmp_path / "ens"), "--no-progress",
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["target_form"] == "words+labelled-close" and res["repaired"] == 0
+    assert res["checkpoints"] == [str(r) for r in runs]
+    assert res["gold_round_trip_f1"] == 100.0
+    test_words = [line.split() for line in (data / "test.src").read_text().splitlines()][:5]
+    parsed = (tmp_path / "ens" / "test.parsed").read_text().splitlines()
+    assert [Tree.fromstring(line).leaves() for line in parsed] == test_words
+
+
 def test_parse_eval_names_missing_data(tmp_path, capsys):
     assert main(["parse", "eval", str(tmp_path), "--data", str(tmp_path / "nope")]) == 2
     assert "aiayn parse prepare" in capsys.readouterr().err

@@ -19,6 +19,8 @@ from aiayn.parsing.evalb import score_corpus, score_pair
 from aiayn.parsing.trees import (
     CLOSE,
     PLACEHOLDER,
+    TargetForm,
+    canonical,
     clean,
     delinearize,
     is_well_formed,
@@ -40,6 +42,10 @@ def treebank(data_dir: Path) -> dict[str, list[Tree]]:
     return read_treebank(path)
 
 
+FORMS = [TargetForm.from_name(n) for n in ("xx", "words", "xx+labelled-close",
+                                           "words+labelled-close")]
+
+
 def test_linearization_round_trips_on_every_tree_of_the_sample(treebank):
     n = 0
     for trees in treebank.values():
@@ -52,8 +58,29 @@ def test_linearization_round_trips_on_every_tree_of_the_sample(treebank):
             assert linearize(back) == (words, target)
             if n % 50 == 0:  # the brackets are the tree's: same labels, same spans
                 assert score_pair(cleaned, back).f1 == 100.0
+                for form in FORMS:  # every form reads back as the plain one
+                    w, other = linearize(cleaned, form)
+                    assert w == words and canonical(other, form) == (target, True)
             n += 1
     assert n == 3914
+
+
+def test_target_forms():
+    tree = T("(S (NP (NNP John)) (VP (VBD ran)) (. .))")
+    assert linearize(tree, TargetForm(words=True))[1] == \
+        ["(S", "(NP", "John", ")", "(VP", "ran", ")", ".", ")"]
+    assert linearize(tree, TargetForm(labelled_close=True))[1] == \
+        ["(S", "(NP", "XX", ")NP", "(VP", "XX", ")VP", "XX", ")S"]
+    assert [f.name for f in FORMS] == ["xx", "words", "xx+labelled-close",
+                                       "words+labelled-close"]
+    assert all(TargetForm.from_name(f.name) == f for f in FORMS)
+    with pytest.raises(ValueError, match="unknown target form 'tags'"):
+        TargetForm.from_name("tags")
+    # a close that does not match its open bracket makes the output malformed
+    assert canonical(["(S", "(NP", "XX", ")VP", "XX", ")S"], FORMS[2])[1] is False
+    # in the xx forms a stray token stays stray (not well-formed); in the words forms it is a word
+    assert canonical(["(S", "dog", ")"], FORMS[0])[0] == ["(S", "dog", ")"]
+    assert canonical(["(S", "dog", ")"], FORMS[1])[0] == ["(S", "XX", ")"]
 
 
 def test_clean_removes_empty_elements_and_function_tags():
@@ -97,22 +124,31 @@ def test_repair_always_gives_a_well_formed_tree():
     assert repair(good, 2) == good
 
 
-def test_constrained_decoding_of_an_untrained_model_is_always_well_formed():
-    sentences = [["the", "cat", "sat"], ["dogs", "bark", "."], ["a"], ["x"] * 9]
-    targets = [linearize(T("(S (NP (DT the) (NN cat)) (VP (VBD sat)))"))[1],
-               linearize(T("(S (NP (NNS dogs)) (VP (VBP bark)) (. .))"))[1]]
-    vocab = word_vocabulary(sentences, targets)
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.name)
+def test_constrained_decoding_of_an_untrained_model_is_always_well_formed(form):
+    sentences = [["the", "cat", "sat"], ["dogs", "bark", "."], ["a"], ["x"] * 9,
+                 ["unseen", "words"]]
+    trees = [T("(S (NP (DT the) (NN cat)) (VP (VBD sat)))"),
+             T("(S (NP (NNS dogs)) (VP (VBP bark)) (. .))")]
+    vocab = word_vocabulary(sentences[:4], [linearize(t, form)[1] for t in trees])
     torch.manual_seed(0)
     model = Transformer(ModelConfig(N=1, d_model=16, d_ff=32, h=2, d_k=8, d_v=8, P_drop=0.0,
                                     vocab_size=len(vocab), max_len=64)).eval()
     for beam in (1, 3):
-        out = parse(model, vocab, sentences, beam_size=beam, alpha=0.3, max_len_b=12)
+        out = parse(model, vocab, sentences, beam_size=beam, alpha=0.3, max_len_b=12,
+                    form=form)
         for words, target in zip(sentences, out):
-            assert is_well_formed(target, len(words)), (beam, words, target)
-            assert delinearize(target, words).leaves() == words
+            plain, matched = canonical(target, form)
+            assert matched and is_well_formed(plain, len(words)), (beam, words, target)
+            assert delinearize(plain, words).leaves() == words
+            if form.words:  # the words themselves, in order (<unk> for unseen ones)
+                assert [t for t in target if t[0] not in "()"] == \
+                    [w if w in vocab.tokenizer.get_vocab() else "<unk>" for w in words]
     # without constraints the same model does not produce trees
-    raw = parse(model, vocab, sentences, beam_size=3, max_len_b=12, constrained=False)
-    assert not all(is_well_formed(t, len(w)) for w, t in zip(sentences, raw))
+    raw = parse(model, vocab, sentences, beam_size=3, max_len_b=12, constrained=False,
+                form=form)
+    assert not all(canonical(t, form)[1] and is_well_formed(canonical(t, form)[0], len(w))
+                   for w, t in zip(sentences, raw))
 
 
 # --- EVALB under COLLINS.prm, counted by hand ---------------------------------------------

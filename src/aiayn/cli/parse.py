@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--out", default="runs/parse/data", metavar="DIR", help="output folder")
     pr.add_argument("--dev-fraction", type=float, default=0.1, help="share of files for dev")
     pr.add_argument("--test-fraction", type=float, default=0.1, help="share of files for test")
+    pr.add_argument("--target-form", default="xx",
+                    choices=("xx", "words", "xx+labelled-close", "words+labelled-close"),
+                    help="how trees are written: XX for each word (Vinyals et al.) or the "
+                         "words themselves; +labelled-close writes ')NP' for ')' "
+                         "(aiayn.parsing.trees.TargetForm); kept in split.json for eval")
     pr.add_argument("--max-files", type=int, default=0, metavar="K",
                     help="use only the first K files (smoke runs); 0: all")
     pr.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -71,8 +76,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "right-branching and flat baselines on the same sentences "
                                     "(and the treebank PCFG's parses, with --pcfg), labelled "
                                     "and unlabelled.")
-    ev.add_argument("checkpoint", metavar="CHECKPOINT",
-                    help="a run folder (its newest checkpoint) or a checkpoint folder")
+    ev.add_argument("checkpoint", metavar="CHECKPOINT", nargs="+",
+                    help="a run folder (its newest checkpoint) or a checkpoint folder; several "
+                         "make an ensemble (their mean probability; one vocabulary)")
     ev.add_argument("--data", default="runs/parse/data", metavar="DIR",
                     help="folder written by `aiayn parse prepare`")
     ev.add_argument("--split", default="test", choices=("dev", "test"), help="split to parse")
@@ -127,6 +133,7 @@ def word_vocabulary(sources: list[list[str]], targets: list[list[str]]):
 def _prepare(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import write_json_atomic
     from aiayn.parsing.trees import (
+        TargetForm,
         check_fractions,
         clean,
         linearize,
@@ -143,7 +150,9 @@ def _prepare(args: argparse.Namespace) -> int:
     split = split_by_file(list(files), args.dev_fraction, args.test_fraction)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"treebank": str(args.treebank), "files": {}, "sentences": {}, "dropped_empty": 0}
+    form = TargetForm.from_name(args.target_form)
+    summary = {"treebank": str(args.treebank), "target_form": form.name, "files": {},
+               "sentences": {}, "dropped_empty": 0}
     pairs = {}
     for name in SPLITS:
         src, tgt, gold = [], [], []
@@ -153,7 +162,7 @@ def _prepare(args: argparse.Namespace) -> int:
                 if cleaned is None:
                     summary["dropped_empty"] += 1
                     continue
-                words, target = linearize(cleaned)
+                words, target = linearize(cleaned, form)
                 src.append(words)
                 tgt.append(target)
                 gold.append(to_line(cleaned))
@@ -177,7 +186,8 @@ def _prepare(args: argparse.Namespace) -> int:
             ids = split[name]
             print(f"  {name:5s} {counts[name]:5d} sentences, {len(ids):3d} files "
                   f"({ids[0]} … {ids[-1]})")
-        print(f"  word-level vocabulary {len(vocab)} tokens; {summary['dropped_empty']} trees "
+        print(f"  targets in the {form.name} form; word-level vocabulary {len(vocab)} tokens; "
+              f"{summary['dropped_empty']} trees "
               "empty after removing -NONE- dropped")
     return 0
 
@@ -209,6 +219,25 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def target_form_of(data: Path):
+    """The :class:`~aiayn.parsing.trees.TargetForm` a prepared data folder was written in
+    (its ``split.json``; ``xx`` for folders written before there was a choice).
+
+    Raises:
+        UserError: a ``split.json`` that is not JSON or names an unknown form (file named).
+    """
+    from aiayn.parsing.trees import TargetForm
+
+    path = data / "split.json"
+    if not path.is_file():
+        return TargetForm()
+    try:
+        return TargetForm.from_name(json.loads(path.read_text(encoding="utf-8"))
+                                    .get("target_form", "xx"))
+    except (ValueError, AttributeError) as err:
+        raise UserError(f"{path}: {err}") from None
+
+
 def _read_pcfg(path: Path, sentences: list[list[str]], split: str) -> dict:
     """index -> tree of a bench/pcfg_baseline.py output file
     (:func:`aiayn.parsing.pcfg.read_parses`).
@@ -238,8 +267,8 @@ def _eval(args: argparse.Namespace) -> int:
     from aiayn.data.corpus import read_lines as read_text_lines
     from aiayn.parsing.decode import parse, teacher_forced_accuracy
     from aiayn.parsing.evalb import score_corpus
-    from aiayn.parsing.trees import (delinearize, flat, is_well_formed, linearize, repair,
-                                     right_branching, to_line)
+    from aiayn.parsing.trees import (canonical, delinearize, flat, is_well_formed, linearize,
+                                     repair, right_branching, to_line)
 
     data = Path(args.data)
     src_path, gold_path = data / f"{args.split}.src", data / f"{args.split}.gold"
@@ -247,6 +276,7 @@ def _eval(args: argparse.Namespace) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: run `aiayn parse prepare --out {data}`")
     sentences = [line.split() for line in read_text_lines(src_path)]
+    form = target_form_of(data)
     golds = []
     for i, line in enumerate(read_text_lines(gold_path), 1):
         try:
@@ -266,25 +296,38 @@ def _eval(args: argparse.Namespace) -> int:
     if not keep:
         raise UserError(f"no {args.split} sentence left to score (--max-words, --pcfg, --limit)")
     sentences, golds = [sentences[i] for i in keep], [golds[i] for i in keep]
-    model, config, vocab = load_checkpoint(args.checkpoint, args.device or "cpu")
+    from aiayn.decoding import check_ensemble
+
+    loaded = [load_checkpoint(c, args.device or "cpu") for c in args.checkpoint]
+    model, config, vocab = loaded[0]
+    for path, (_, _, other) in zip(args.checkpoint[1:], loaded[1:]):
+        if other.tokenizer.get_vocab() != vocab.tokenizer.get_vocab():
+            raise UserError(f"{path}: another vocabulary than {args.checkpoint[0]}'s; an "
+                            "ensemble needs one")
+    models = [m for m, _, _ in loaded]
+    try:
+        check_ensemble(models)
+    except ValueError as err:
+        raise UserError(str(err)) from None
     tgt_path = data / f"{args.split}.tgt"
     accuracy = None
     if tgt_path.is_file():  # teacher-forced token accuracy: learned the language at all?
         gold_targets = [line.split() for line in read_text_lines(tgt_path)]
-        accuracy = teacher_forced_accuracy(model, vocab, sentences,
+        accuracy = teacher_forced_accuracy(models, vocab, sentences,
                                            [gold_targets[i] for i in keep],
                                            batch_size=config.decode.batch_size)
     beam = args.beam_size or config.decode.beam_size
     alpha = config.decode.alpha if args.alpha is None else args.alpha
     t0 = time.monotonic()
-    targets = parse(model, vocab, sentences, beam_size=beam, alpha=alpha,
+    targets = parse(models, vocab, sentences, beam_size=beam, alpha=alpha,
                     max_len_b=config.decode.max_len_b, batch_size=config.decode.batch_size,
-                    constrained=not args.no_constraints,
+                    constrained=not args.no_constraints, form=form,
                     progress=not args.no_progress and not args.json)
     decode_s = time.monotonic() - t0
     repaired, tests = 0, []
     for words, target in zip(sentences, targets):
-        if not is_well_formed(target, len(words)):
+        target, matched = canonical(target, form)
+        if not (matched and is_well_formed(target, len(words))):
             target = repair(target, len(words))
             repaired += 1
         tests.append(delinearize(target, words))
@@ -297,16 +340,18 @@ def _eval(args: argparse.Namespace) -> int:
                   for name, trees in systems.items()}
     # the check that tells a bug from too little data: gold trees through the model's
     # target form and back score 100
-    round_trip = score_corpus(golds, [delinearize(linearize(g)[1], w)
+    round_trip = score_corpus(golds, [delinearize(canonical(linearize(g, form)[1], form)[0], w)
                                       for g, w in zip(golds, sentences)])
     labels = Counter(t.label() for g in golds for t in g.subtrees() if not isinstance(t[0], str))
-    out = Path(args.out) if args.out else Path(args.checkpoint)
+    out = Path(args.out) if args.out else Path(args.checkpoint[0])
     if not args.out and (is_checkpoint(out) or not out.is_dir()):
         out = out.parent.parent if is_checkpoint(out) else out.parent  # the run folder
     out.mkdir(parents=True, exist_ok=True)
     _write_lines(out / f"{args.split}.parsed", [to_line(t) for t in tests])
     results = {
-        "split": args.split, "sentences": len(sentences), "beam_size": beam, "alpha": alpha,
+        "split": args.split, "sentences": len(sentences), "target_form": form.name,
+        "checkpoints": [str(c) for c in args.checkpoint],
+        "beam_size": beam, "alpha": alpha,
         "max_len": f"input + {config.decode.max_len_b}", "constrained": not args.no_constraints,
         "repaired": repaired, "decode_wall_s": round(decode_s, 1),
         "max_words": args.max_words or None, "pcfg_file": args.pcfg,
@@ -321,7 +366,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results))
         return 0
-    print(f"aiayn parse eval: {len(sentences)} {args.split} sentences, beam {beam}, alpha "
+    print(f"aiayn parse eval: {len(sentences)} {args.split} sentences ({form.name} targets), "
+          f"beam {beam}, alpha "
           f"{alpha}, {'constrained' if not args.no_constraints else 'unconstrained'} decoding "
           f"in {decode_s:.0f} s; {repaired} output(s) repaired")
     names = {"model": "model", "right_branching": "right-branching baseline",

@@ -8,9 +8,17 @@ first, with each open bracket written with its label (``(NP``), each close brack
     (S (NP (NNP John)) (VP (VBZ has) (NP (DT a) (NN dog))) (. .))
     -> (S (NP XX ) (VP XX (NP XX XX ) ) XX )
 
-Vinyals et al. write the label on the close bracket too (``)NP``); it is implied by the open
-one, so the bare ``)`` is an equivalent, shorter target. POS tags are not predicted, as in their
-setup (EVALB ignores them for bracket F1); :func:`delinearize` labels preterminals ``XX``.
+POS tags are not predicted, as in their setup (EVALB ignores them for bracket F1);
+:func:`delinearize` labels preterminals ``XX``. Two variants (:class:`TargetForm`, chosen by
+``aiayn parse prepare`` and kept in the data folder's ``split.json``):
+
+- ``labelled_close``: each close bracket carries its label, as Vinyals et al. write it
+  (``)NP``); the label is implied by the open bracket, so this only gives the decoder a
+  reminder of what it is closing;
+- ``words``: each word itself in place of ``XX`` (``(S (NP John ) …``), so the decoder reads
+  where in the sentence it is instead of counting placeholders; decoding forces the next word.
+
+Every form maps to the plain one by :func:`canonical`; the rest of this module works on that.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import io
 import re
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from nltk.corpus.reader.util import read_sexpr_block
@@ -27,6 +36,42 @@ from aiayn.errors import ConfigError, DataError
 
 PLACEHOLDER = "XX"
 CLOSE = ")"
+
+
+@dataclass(frozen=True)
+class TargetForm:
+    """How a tree is written as target tokens (module docstring)."""
+
+    labelled_close: bool = False  # ")NP" instead of ")"
+    words: bool = False  # the words themselves instead of "XX"
+
+    @property
+    def name(self) -> str:
+        """``xx``, ``words``, ``xx+labelled-close`` or ``words+labelled-close``."""
+        return ("words" if self.words else "xx") + ("+labelled-close" if self.labelled_close
+                                                     else "")
+
+    @classmethod
+    def from_name(cls, name: str) -> TargetForm:
+        """The inverse of :attr:`name`.
+
+        Raises:
+            ValueError: an unknown name."""
+        base, _, extra = name.partition("+")
+        if base not in ("xx", "words") or extra not in ("", "labelled-close"):
+            raise ValueError(f"unknown target form {name!r}: expected xx or words, optionally "
+                             "with +labelled-close")
+        return cls(labelled_close=bool(extra), words=base == "words")
+
+
+def is_open(tok: str) -> bool:
+    """``(X``: an open bracket."""
+    return tok.startswith("(") and len(tok) > 1
+
+
+def is_close(tok: str) -> bool:
+    """``)`` or ``)X``: a close bracket."""
+    return tok.startswith(")")
 _FUNCTION_TAG = re.compile(r"^([^-=]+)[-=].*$")
 
 
@@ -120,23 +165,47 @@ def split_by_file(file_ids: list[str], dev_fraction: float = 0.1,
             "test": ids[len(ids) - n_test:]}
 
 
-def linearize(tree: Tree) -> tuple[list[str], list[str]]:
-    """(words, target tokens) of a cleaned tree; see the module docstring."""
+def linearize(tree: Tree, form: TargetForm = TargetForm()) -> tuple[list[str], list[str]]:
+    """(words, target tokens) of a cleaned tree, written in ``form``; see the module
+    docstring."""
     words: list[str] = []
     target: list[str] = []
 
     def walk(t: Tree) -> None:
         if isinstance(t[0], str):
             words.append(t[0])
-            target.append(PLACEHOLDER)
+            target.append(t[0] if form.words else PLACEHOLDER)
             return
         target.append("(" + t.label())
         for k in t:
             walk(k)
-        target.append(CLOSE)
+        target.append(CLOSE + t.label() if form.labelled_close else CLOSE)
 
     walk(tree)
     return words, target
+
+
+def canonical(target: list[str], form: TargetForm) -> tuple[list[str], bool]:
+    """``target``, written in ``form``, in the plain form (bare ``)``, and ``XX`` for every
+    other token when ``form.words``; in the ``xx`` forms a stray token stays stray), and whether every labelled close bracket matched the bracket it closes (True for
+    bare ones). A close that does not match makes the output malformed, as in Vinyals et al.;
+    callers count it with the other repairs."""
+    out: list[str] = []
+    stack: list[str] = []
+    matched = True
+    for tok in target:
+        if is_open(tok):
+            stack.append(tok[1:])
+            out.append(tok)
+        elif is_close(tok):
+            if len(tok) > 1 and (not stack or stack[-1] != tok[1:]):
+                matched = False
+            if stack:
+                stack.pop()
+            out.append(CLOSE)
+        else:
+            out.append(PLACEHOLDER if form.words else tok)
+    return out, matched
 
 
 def is_well_formed(target: list[str], n_words: int) -> bool:
