@@ -134,8 +134,15 @@ def test_constrained_decoding_of_an_untrained_model_is_always_well_formed(form):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(N=1, d_model=16, d_ff=32, h=2, d_k=8, d_v=8, P_drop=0.0,
                                     vocab_size=len(vocab), max_len=64)).eval()
-    for beam in (1, 3):
-        out = parse(model, vocab, sentences, beam_size=beam, alpha=0.3, max_len_b=12,
+    # an output layer limited to the training targets (model.output_vocab = "target"): in the
+    # words form an unseen word (<unk>) is outside it, and must still be placed
+    limited = Transformer(ModelConfig(N=1, d_model=16, d_ff=32, h=2, d_k=8, d_v=8, P_drop=0.0,
+                                      vocab_size=len(vocab), max_len=64,
+                                      output_vocab="target")).eval()
+    seen = sorted({i for t in trees for i in vocab.encode(" ".join(linearize(t, form)[1]))})
+    limited.limit_output_vocab(torch.tensor([*seen, 2]))  # and EOS
+    for beam, m in ((1, model), (3, model), (3, limited)):
+        out = parse(m, vocab, sentences, beam_size=beam, alpha=0.3, max_len_b=12,
                     form=form)
         for words, target in zip(sentences, out):
             plain, matched = canonical(target, form)

@@ -6,7 +6,10 @@ and the steps left before the maximum length L:
 - an open bracket ``(X``: as the first token, or inside the root (d > 0), while w < n and
   the tree can still be finished in time (t + 1 + (n - w) + (d + 1) <= L);
 - the next word: ``XX``, or in the ``words`` form (:class:`~aiayn.parsing.trees.TargetForm`)
-  the input's word w itself, inside a bracket (d > 0) while w < n;
+  the input's word w itself, inside a bracket (d > 0) while w < n. In that form the word's
+  score is the model's probability of any word there (the log-sum-exp of every word token's
+  logit): which word comes next is known, the choice is only word or bracket, and an unseen
+  word (``<unk>``, perhaps outside the output vocabulary) keeps a score;
 - the close bracket: ``)``, or with labelled closes the one of the innermost open bracket
   (``)NP`` after ``(NP``), when d > 0, the constituent is not empty (the last token is not its
   open bracket), and, for the root (d = 1), all n words are placed;
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from aiayn.data.vocab import EOS_ID, UNK_ID, Vocabulary
+from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocabulary
 from aiayn.parsing.trees import CLOSE, PLACEHOLDER, TargetForm, is_close, is_open
 
 NEG_INF = float("-inf")
@@ -50,6 +53,12 @@ class TreeVocabulary:
                     self.close_of[i] = close
             elif is_close(tok) and (len(tok) > 1) == form.labelled_close:
                 self.is_close[i] = True
+        # the tokens that are words: neither brackets nor specials
+        self.is_word = ~(self.is_open | self.is_close)
+        self.is_word[[PAD_ID, BOS_ID, EOS_ID]] = False
+        for tok, i in tokens.items():
+            if is_close(tok):
+                self.is_word[i] = False
         self.xx_id = tokens.get(PLACEHOLDER)
         if not bool(self.is_open.any()) or not bool(self.is_close.any()) or \
                 (not form.words and self.xx_id is None):
@@ -129,6 +138,8 @@ class ConstrainedStep:
         if self.tv.form.words:
             next_word = self.word_ids.gather(1, w.clamp(max=self.word_ids.shape[1] - 1)[:, None])
             next_word = next_word.squeeze(1).clamp(min=0)
+            any_word = logits.masked_fill(~self.tv.is_word.to(logits.device), NEG_INF)
+            logits[rows, next_word] = any_word.logsumexp(dim=1)
             allowed[rows, next_word] |= can_word
         else:
             allowed[:, self.tv.xx_id] = can_word
@@ -138,8 +149,10 @@ class ConstrainedStep:
         allowed[rows, top.clamp(min=0)] |= can_close
         allowed[:, EOS_ID] = self.started & (d == 0) & (w == n)
         # a hypothesis already dead (score -inf, kept only to fill the beam) may be in no valid
-        # state; let it end rather than turn its log-softmax into NaN
-        allowed[~allowed.any(dim=1), EOS_ID] = True
+        # state, and a token allowed here may be one the model never outputs (logit -inf,
+        # model.output_vocab = "target"); let such a row end rather than turn its log-softmax
+        # into NaN (a live one ends malformed, and the caller repairs and counts it)
+        allowed[~(allowed & (logits > NEG_INF)).any(dim=1), EOS_ID] = True
         self.t += 1
         return logits.masked_fill(~allowed, NEG_INF)
 
