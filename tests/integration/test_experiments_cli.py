@@ -11,7 +11,7 @@ from nltk.tree import Tree
 
 from aiayn.cli import main
 from aiayn.experiments.table3 import ROW_NAMES
-from aiayn.parsing.trees import is_well_formed, linearize
+from aiayn.parsing.trees import TargetForm, canonical, is_well_formed, linearize
 
 
 @pytest.mark.slow
@@ -123,9 +123,13 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
     assert summary["sentences"]["test"] > 0 and summary["sentences"]["dev"] > 0
     split = json.loads((data / "split.json").read_text())["files"]
     assert not set(split["test"]) & (set(split["train"]) | set(split["dev"]))
+    assert json.loads((data / "split.json").read_text())["target_form"] == \
+        "words+labelled-close"  # the default
     for line_src, line_tgt in zip((data / "train.src").read_text().splitlines(),
                                   (data / "train.tgt").read_text().splitlines()):
-        assert is_well_formed(line_tgt.split(), len(line_src.split()))
+        plain, matched = canonical(line_tgt.split(), TargetForm(labelled_close=True,
+                                                                 words=True))
+        assert matched and is_well_formed(plain, len(line_src.split()))
 
     assert main(["parse", "train", "--data", str(data), "--run-dir", str(run),
                  "--minutes", "0.03", "--set", "model.N=1", "--set", "model.d_model=32",
@@ -173,19 +177,18 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
         assert is_well_formed(linearize(tree)[1], len(w))
 
 
-def test_parse_words_form_with_labelled_closes_and_an_ensemble(data_dir, tmp_path, capsys):
-    """The words+labelled-close form end to end: prepare writes it (and says so in
-    split.json), eval reads it back from there, decodes an ensemble of two runs with it, and
-    every output is a tree of the sentence's words."""
+def test_parse_xx_form_and_an_ensemble(data_dir, tmp_path, capsys):
+    """Vinyals et al.'s plain form (XX for each word, bare closes) end to end: prepare writes
+    it when asked (and says so in split.json), eval reads it back from there, decodes an
+    ensemble of two runs with it, and every output is a tree of the sentence's words."""
     data = tmp_path / "data"
     assert main(["parse", "prepare", "--treebank",
                  str(data_dir / "ptb-sample" / "treebank.zip"), "--out", str(data),
-                 "--max-files", "12", "--target-form", "words+labelled-close", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["target_form"] == "words+labelled-close"
+                 "--max-files", "12", "--target-form", "xx", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target_form"] == "xx"
     first = (data / "train.tgt").read_text().splitlines()[0].split()
     words = (data / "train.src").read_text().splitlines()[0].split()
-    assert [t for t in first if t[0] not in "()"] == words  # the words, not XX
-    assert any(t.startswith(")") and len(t) > 1 for t in first)  # labelled closes
+    assert is_well_formed(first, len(words)) and first.count("XX") == len(words)
     runs = [tmp_path / "a", tmp_path / "b"]
     for seed, run in enumerate(runs):
         assert main(["parse", "train", "--data", str(data), "--run-dir", str(run),
@@ -197,7 +200,7 @@ def test_parse_words_form_with_labelled_closes_and_an_ensemble(data_dir, tmp_pat
                  "--limit", "5", "--out", str(tmp_path / "ens"), "--no-progress",
                  "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["target_form"] == "words+labelled-close" and res["repaired"] == 0
+    assert res["target_form"] == "xx" and res["repaired"] == 0
     assert res["checkpoints"] == [str(r) for r in runs]
     assert res["gold_round_trip_f1"] == 100.0
     test_words = [line.split() for line in (data / "test.src").read_text().splitlines()][:5]

@@ -172,8 +172,9 @@ def parse(model, vocab: Vocabulary, sentences: list[list[str]], *, beam_size: in
           progress: bool = False) -> list[list[str]]:
     """Linearized trees (target tokens in ``form``, EOS removed) for tokenized
     ``sentences`` by ``model`` (a :class:`~aiayn.model.Transformer`, or a list of them: an
-    ensemble, :class:`~aiayn.decoding.search.EnsembleStep`), by beam search (§6.3: beam 21, alpha 0.3, maximum length input + 300) over
-    :class:`ConstrainedStep` (or the bare model when ``constrained`` is False).
+    ensemble, :class:`~aiayn.decoding.search.EnsembleStep`), by beam search (§6.3: beam 21,
+    alpha 0.3, maximum length input + 300) over :class:`ConstrainedStep` (or the bare model
+    when ``constrained`` is False).
 
     A sentence for which search returns nothing gives an empty list; callers repair it.
     """

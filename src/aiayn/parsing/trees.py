@@ -38,6 +38,11 @@ PLACEHOLDER = "XX"
 CLOSE = ")"
 
 
+# what `aiayn parse prepare` writes unless told otherwise: the form that scored best on dev
+# (docs/experiments.md, "Constituency parsing")
+DEFAULT_TARGET_FORM = "words+labelled-close"
+
+
 @dataclass(frozen=True)
 class TargetForm:
     """How a tree is written as target tokens (module docstring)."""
@@ -187,9 +192,10 @@ def linearize(tree: Tree, form: TargetForm = TargetForm()) -> tuple[list[str], l
 
 def canonical(target: list[str], form: TargetForm) -> tuple[list[str], bool]:
     """``target``, written in ``form``, in the plain form (bare ``)``, and ``XX`` for every
-    other token when ``form.words``; in the ``xx`` forms a stray token stays stray), and whether every labelled close bracket matched the bracket it closes (True for
-    bare ones). A close that does not match makes the output malformed, as in Vinyals et al.;
-    callers count it with the other repairs."""
+    other token when ``form.words``; in the ``xx`` forms a stray token stays stray), and
+    whether every labelled close bracket matched the bracket it closes (True for bare ones). A
+    close that does not match makes the output malformed, as in Vinyals et al.; callers count
+    it with the other repairs."""
     out: list[str] = []
     stack: list[str] = []
     matched = True
