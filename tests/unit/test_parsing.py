@@ -19,6 +19,7 @@ from aiayn.parsing.evalb import score_corpus, score_pair
 from aiayn.parsing.trees import (
     CLOSE,
     PLACEHOLDER,
+    TARGET_FORMS,
     TargetForm,
     canonical,
     clean,
@@ -42,8 +43,7 @@ def treebank(data_dir: Path) -> dict[str, list[Tree]]:
     return read_treebank(path)
 
 
-FORMS = [TargetForm.from_name(n) for n in ("xx", "words", "xx+labelled-close",
-                                           "words+labelled-close")]
+FORMS = [TargetForm.from_name(n) for n in TARGET_FORMS]
 
 
 def test_linearization_round_trips_on_every_tree_of_the_sample(treebank):

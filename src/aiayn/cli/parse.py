@@ -42,10 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pr.add_argument("--out", default="runs/parse/data", metavar="DIR", help="output folder")
     pr.add_argument("--dev-fraction", type=float, default=0.1, help="share of files for dev")
     pr.add_argument("--test-fraction", type=float, default=0.1, help="share of files for test")
-    from aiayn.parsing.trees import DEFAULT_TARGET_FORM
+    from aiayn.parsing.trees import DEFAULT_TARGET_FORM, TARGET_FORMS
 
-    pr.add_argument("--target-form", default=DEFAULT_TARGET_FORM,
-                    choices=("xx", "words", "xx+labelled-close", "words+labelled-close"),
+    pr.add_argument("--target-form", default=DEFAULT_TARGET_FORM, choices=TARGET_FORMS,
                     help="how trees are written: XX for each word (Vinyals et al.) or the "
                          "words themselves; +labelled-close writes ')NP' for ')' "
                          "(aiayn.parsing.trees.TargetForm; the default scored best on dev); "

@@ -13,8 +13,9 @@ encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Lin
 No scale and no sum mixes rows (unlike per-tensor dynamic quantization, whose one activation
 scale is the batch's largest value), so each row's product is independent of its batch. The
 float parts around the products are not quite: attention over a batch padded to another length
-can round differently in the last bit, and int8 rounding can turn that into another token. Everything between the linear maps (embeddings, positions, LayerNorm, softmax,
-attention products, residuals, the caches) stays float32.
+can round differently in the last bit, and int8 rounding can turn that into another token.
+Everything between the linear maps (embeddings, positions, LayerNorm, softmax, attention
+products, residuals, the caches) stays float32.
 
 The model itself is not changed; the copy shares nothing with it that training could move
 (its float weights are dropped, its int8 ones are buffers).

@@ -45,20 +45,18 @@ class TreeVocabulary:
         self.is_close = torch.zeros(self.size, dtype=torch.bool)
         # the close id each open id needs: its labelled close, or the bare one
         self.close_of = torch.full((self.size,), -1, dtype=torch.long)
+        self.is_word = torch.ones(self.size, dtype=torch.bool)
         for tok, i in tokens.items():
             if is_open(tok):
                 self.is_open[i] = True
                 close = tokens.get(CLOSE + tok[1:]) if form.labelled_close else tokens.get(CLOSE)
                 if close is not None:
                     self.close_of[i] = close
-            elif is_close(tok) and (len(tok) > 1) == form.labelled_close:
-                self.is_close[i] = True
-        # the tokens that are words: neither brackets nor specials
-        self.is_word = ~(self.is_open | self.is_close)
-        self.is_word[[PAD_ID, BOS_ID, EOS_ID]] = False
-        for tok, i in tokens.items():
-            if is_close(tok):
+            elif is_close(tok):
+                self.is_close[i] = (len(tok) > 1) == form.labelled_close
                 self.is_word[i] = False
+        self.is_word &= ~self.is_open  # words: neither brackets nor specials
+        self.is_word[[PAD_ID, BOS_ID, EOS_ID]] = False
         self.xx_id = tokens.get(PLACEHOLDER)
         if not bool(self.is_open.any()) or not bool(self.is_close.any()) or \
                 (not form.words and self.xx_id is None):

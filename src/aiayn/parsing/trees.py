@@ -69,6 +69,11 @@ class TargetForm:
         return cls(labelled_close=bool(extra), words=base == "words")
 
 
+# every form's name, the plain one first: `aiayn parse prepare --target-form`'s choices
+TARGET_FORMS = tuple(TargetForm(labelled_close=lc, words=w).name
+                     for lc in (False, True) for w in (False, True))
+
+
 def is_open(tok: str) -> bool:
     """``(X``: an open bracket."""
     return tok.startswith("(") and len(tok) > 1
