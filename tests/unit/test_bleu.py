@@ -3,11 +3,15 @@ literature's protocol reproduced against the shared tokenized references."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import sacrebleu
 
 from aiayn.errors import DataError
+from aiayn.config import load_config
 from aiayn.evaluation import (
+    corpus_bleu,
     decode_lines,
     multi30k_tok_bleu,
     multi30k_tokenize,
@@ -31,6 +35,27 @@ def test_sacrebleu_scores_match_sacrebleu_directly():
     assert s["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert "nc:6" in s["chrf_signature"]
     assert sacrebleu_scores(REFS, REFS)["bleu"] == pytest.approx(100.0)
+
+
+def test_corpus_bleu_names_the_protocol_a_corpus_reports():
+    data = load_config("multi30k").data  # trained on the Multi30k protocol's text
+    tok_h = [multi30k_tokenize(h, "de") for h in HYPS]
+    tok_r = [multi30k_tokenize(r, "de") for r in REFS]
+    direct = multi30k_tok_bleu(tok_h, tok_r, "de", pretokenized=True)
+    got = corpus_bleu(tok_h, tok_r, data)
+    assert got["protocol"] == "multi30k" and got["bleu"] == pytest.approx(direct)
+    # cased Multi30k text is put into the protocol's form first: the same score
+    cased = dataclasses.replace(data, preprocess="none")
+    assert corpus_bleu(HYPS, REFS, cased)["bleu"] == pytest.approx(direct)
+    # any other corpus: sacreBLEU, cased and detokenized, with its signature
+    files = dataclasses.replace(cased, dataset="files")
+    lower = [h.lower() for h in HYPS]
+    got = corpus_bleu(lower, REFS, files)
+    assert got["protocol"] == "sacrebleu"
+    assert got["bleu"] == pytest.approx(sacrebleu.corpus_bleu(lower, [REFS]).score)
+    assert got["signature"].startswith("nrefs:1|case:mixed")
+    # the protocols differ: sacreBLEU counts case, the Multi30k protocol lowercases
+    assert got["bleu"] < corpus_bleu(lower, REFS, cased)["bleu"] == pytest.approx(direct)
 
 
 def test_unaligned_inputs_raise():

@@ -147,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.config import load_config
     from aiayn.devices import choose_device
     from aiayn.fileio import write_atomic, write_json_atomic
-    from aiayn.evaluation.bleu import (chrf_score, multi30k_tok_bleu, multi30k_tokenize,
-                                       sacrebleu_scores)
+    from aiayn.evaluation.bleu import (chrf_score, corpus_bleu, multi30k_tok_bleu,
+                                       multi30k_tokenize, sacrebleu_scores)
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
     from aiayn.training.average import average_checkpoints
     from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
@@ -266,11 +266,8 @@ def run(args: argparse.Namespace) -> int:
                                     progress=not args.no_progress and not args.json, **search)
 
     def bleu_of(hyps: list[str], refs: list[str]) -> float:
-        """The job's headline BLEU: the Multi30k protocol on Multi30k (``refs`` already in
-        its form), else sacreBLEU."""
-        if d.dataset == "multi30k":
-            return multi30k_tok_bleu(hyps, refs, d.tgt_lang, pretokenized=lc_tok)
-        return sacrebleu_scores(hyps, refs)["bleu"]
+        """The job's headline BLEU on its own corpus text (:func:`corpus_bleu`'s rule)."""
+        return corpus_bleu(hyps, refs, d)["bleu"]
 
     # §6.2's rule: settings are chosen on the development set, never on the test set. Every
     # averaging width is tried with every alpha; ties go to the first given.
@@ -298,8 +295,7 @@ def run(args: argparse.Namespace) -> int:
     translator = None
     val_hyps: dict[tuple[str, str], list[str]] = {}  # (width, alpha) -> fp32 val output
     if valid is not None and len(valid):
-        refs = valid.tgt if lc_tok or d.dataset != "multi30k" else \
-            [multi30k_tokenize(r, d.tgt_lang) for r in valid.tgt]
+        refs = valid.tgt
         for k in candidates:
             found, translator = average(k)
             say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "

@@ -2,6 +2,7 @@
 
 from aiayn.evaluation.bleu import (
     PROTOCOLS,
+    corpus_bleu,
     decode_lines,
     multi30k_tok_bleu,
     multi30k_tokenize,
@@ -13,6 +14,6 @@ from aiayn.evaluation.bleu import (
 )
 
 __all__ = [
-    "PROTOCOLS", "decode_lines", "multi30k_tok_bleu", "multi30k_tokenize", "paper_tok_bleu",
+    "PROTOCOLS", "corpus_bleu", "decode_lines", "multi30k_tok_bleu", "multi30k_tokenize", "paper_tok_bleu",
     "paper_tokenize", "read_lines", "sacrebleu_scores", "split_compounds",
 ]

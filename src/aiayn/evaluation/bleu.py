@@ -18,10 +18,14 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiayn.data.corpus import decode_line
 from aiayn.data.corpus import read_lines as read_corpus_lines
 from aiayn.errors import DataError
+
+if TYPE_CHECKING:
+    from aiayn.config import DataConfig
 
 PROTOCOLS = {
     "sacrebleu": "sacreBLEU on detokenized text (cased, 13a tokenizer)",
@@ -120,6 +124,35 @@ def paper_tok_bleu(hyps: list[str], refs: list[str], lang: str,
     tok_h = [paper_tokenize(h, lang, compounds) for h in hyps]
     tok_r = [paper_tokenize(r, lang, compounds) for r in refs]
     return BLEU(tokenize="none", force=True).corpus_score(tok_h, [tok_r]).score
+
+
+def corpus_bleu(hyps: list[str], refs: list[str], data: "DataConfig") -> dict:
+    """The BLEU a run reports on its own corpus (validation, Table 3's dev set, the main job's
+    val choices): the one rule for which protocol that is.
+
+    ``hyps`` are the model's outputs and ``refs`` the corpus text as loaded, so both are under
+    ``data.preprocess`` already. A model trained on the Multi30k protocol's text is scored as it
+    writes; other Multi30k text is put into the protocol's form first; any other corpus gets
+    sacreBLEU (cased, detokenized).
+
+    Returns:
+        dict with ``bleu`` (0-100), ``protocol`` (a key of :data:`PROTOCOLS`) and
+        ``signature`` (sacreBLEU's, or the protocol's description).
+
+    Raises:
+        DataError: the two lists differ in length.
+    """
+    from aiayn.data.text import is_protocol_text
+
+    if is_protocol_text(data.preprocess) or data.dataset == "multi30k":
+        pretokenized = is_protocol_text(data.preprocess)
+        ref_tok = refs if pretokenized else [multi30k_tokenize(r, data.tgt_lang) for r in refs]
+        return {"bleu": multi30k_tok_bleu(hyps, ref_tok, data.tgt_lang,
+                                          pretokenized=pretokenized),
+                "protocol": "multi30k", "signature": PROTOCOLS["multi30k"]}
+    scores = sacrebleu_scores(hyps, refs)
+    return {"bleu": scores["bleu"], "protocol": "sacrebleu",
+            "signature": scores["bleu_signature"]}
 
 
 # --- the Multi30k literature's protocol ------------------------------------------------------

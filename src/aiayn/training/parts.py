@@ -195,7 +195,7 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
         out["valid_ppl"] = math.exp(min(nll_sum / n, 50.0))
     k = config.train.eval_bleu_sentences
     if valid is not None and k > 0:
-        from aiayn.evaluation.bleu import chrf_score, multi30k_tok_bleu, sacrebleu_scores
+        from aiayn.evaluation.bleu import chrf_score, corpus_bleu
         from aiayn.translator import Translator
 
         translator = Translator(model, vocab, config=config,
@@ -203,14 +203,6 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
         # greedy; the corpus is the model's text already (data.preprocess applied on loading)
         hyps = translator.translate(valid.src[:k], beam_size=1, preprocessed=True)
         refs = valid.tgt[:k]
-        from aiayn.data.text import is_protocol_text
-
-        if is_protocol_text(config.data.preprocess):  # already the Multi30k protocol's text
-            out["valid_bleu"] = multi30k_tok_bleu(hyps, refs, config.data.tgt_lang,
-                                                  pretokenized=True)
-            out["valid_chrf"] = chrf_score(hyps, refs)[0]
-        else:
-            scores = sacrebleu_scores(hyps, refs)
-            out["valid_bleu"] = scores["bleu"]
-            out["valid_chrf"] = scores["chrf"]
+        out["valid_bleu"] = corpus_bleu(hyps, refs, config.data)["bleu"]
+        out["valid_chrf"] = chrf_score(hyps, refs)[0]
     return out
