@@ -42,10 +42,11 @@ def test_table3_runs_scores_and_resumes(data_dir, tmp_path, capsys):
             "valid_nll"]
         assert r["dev_ppl"] == pytest.approx(math.exp(nll), abs=1e-3)
         assert r["steps"] > 0 and r["bleu_signature"].startswith("nrefs:1|")
+        assert r["bleu_protocol"] == "sacrebleu"  # a "files" corpus: corpus_bleu's rule
         assert r["dev_bleu_sentences"] == 8 and r["parameters"] > 0
     assert rows[1]["parameters"] < rows[0]["parameters"]
     table = (out / "table3.md").read_text()
-    assert "| C1 | 1 |" in table and (out / "table3.png").stat().st_size > 1000
+    assert "| C1 | 1 |" in table and "Dev BLEU: sacreBLEU" in table and (out / "table3.png").stat().st_size > 1000
     assert json.loads((out / "table3.json").read_text())["rows"] == rows
 
     # finished rows are kept; an interrupted one (checkpoint, no row.json) continues
@@ -180,12 +181,15 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
 def test_parse_xx_form_and_an_ensemble(data_dir, tmp_path, capsys):
     """Vinyals et al.'s plain form (XX for each word, bare closes) end to end: prepare writes
     it when asked (and says so in split.json), eval reads it back from there, decodes an
-    ensemble of two runs with it, and every output is a tree of the sentence's words."""
+    ensemble of two runs with it, and every output is a tree of the sentence's words. Words
+    seen once are <unk> in training (--min-count 2)."""
     data = tmp_path / "data"
     assert main(["parse", "prepare", "--treebank",
                  str(data_dir / "ptb-sample" / "treebank.zip"), "--out", str(data),
-                 "--max-files", "12", "--target-form", "xx", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["target_form"] == "xx"
+                 "--max-files", "12", "--target-form", "xx", "--min-count", "2",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["target_form"] == "xx" and summary["min_count"] == 2
     first = (data / "train.tgt").read_text().splitlines()[0].split()
     words = (data / "train.src").read_text().splitlines()[0].split()
     assert is_well_formed(first, len(words)) and first.count("XX") == len(words)

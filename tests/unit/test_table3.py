@@ -11,6 +11,7 @@ from aiayn.experiments.table3 import (
     markdown_table,
     parse_rows,
     row_cells,
+    row_warmup_steps,
     scale_row,
 )
 
@@ -65,6 +66,17 @@ def test_rows_keep_everything_else_of_the_base():
     assert scaled.data == base.data and scaled.decode == base.decode
     assert scaled.train.warmup_steps == base.train.warmup_steps
     assert scaled.model.vocab_size == base.model.vocab_size
+
+
+def test_warmup_takes_the_presets_share_of_the_row_budget():
+    hour = load_config("multi30k")  # 1,600 warmup updates in a 3,600-second budget
+    assert (hour.train.warmup_steps, hour.train.time_budget_s) == (1600, 3600)
+    assert row_warmup_steps(hour, 10) == 267  # 1600 * 600 / 3600
+    assert row_warmup_steps(hour, 60) == 1600
+    assert row_warmup_steps(hour, 0.001) == 1  # never zero
+    steps_only = load_config("base")  # the paper's: no time budget, warmup kept
+    assert steps_only.train.time_budget_s == 0
+    assert row_warmup_steps(steps_only, 10) == steps_only.train.warmup_steps
 
 
 def test_bad_rows_and_bad_scalings_are_named():

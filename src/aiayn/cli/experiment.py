@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         help="train every Table 3 variation for the same time; print the table",
                         description="Train each Table 3 row (scaled to --scale's preset) for "
                                     "--minutes-per-row, score dev perplexity and dev BLEU (beam "
-                                    "4, alpha 0.6, no averaging) and write table3.md, "
+                                    "4, alpha 0.6, no averaging; the Multi30k protocol on "
+                                    "Multi30k, else sacreBLEU) and write table3.md, "
                                     "table3.json and table3.png. Resumable: rerun the same "
                                     "command to continue.")
     t3.add_argument("--dataset", default=None,

@@ -1,6 +1,7 @@
 """Table 3 (§6.2): every model variation of the paper, scaled to any base preset, trained for
 the same time budget each and scored on the dev set as the paper did (beam 4, alpha 0.6, no
-checkpoint averaging; perplexity per subword).
+checkpoint averaging; perplexity per subword). Dev BLEU is the corpus's own protocol
+(:func:`aiayn.evaluation.bleu.corpus_bleu`: the Multi30k protocol on Multi30k, else sacreBLEU).
 
 Scaling rule: a row changes the base preset the way the paper's row changes the paper's base.
 A changed number is multiplied by (paper row value / paper base value), rounded for integers
@@ -157,6 +158,21 @@ def prepare_table3(base: Config, out_dir: str | Path,
     return vocab_dir
 
 
+def row_warmup_steps(base: Config, minutes: float) -> int:
+    """The warmup every row gets: the base preset's ``train.warmup_steps`` scaled to the row's
+    budget, so warmup takes the same share of ``minutes`` as of the preset's
+    ``train.time_budget_s`` (at least 1); unchanged for a preset without a time budget.
+
+    Without it, a 10-minute row of the hour-long ``multi30k`` preset would spend its whole run
+    in the preset's 1,600-step warmup, and rows would be ranked by how many updates they fit
+    before the learning rate peaked rather than by their architecture.
+    """
+    tc = base.train
+    if tc.time_budget_s <= 0:
+        return tc.warmup_steps
+    return max(1, round(tc.warmup_steps * minutes * 60 / tc.time_budget_s))
+
+
 def row_cells(config: Config) -> dict[str, Any]:
     m = config.model
     cells = {k: getattr(m, k) for k in COLUMNS if k != "epsilon_ls"}
@@ -202,6 +218,9 @@ def run_table3(
         jobs = [j for j in jobs if j in only]
     configs = {job: job_config(base, job, window) for job in jobs}  # fail before any training
     vocab_dir = prepare_table3(base, out_dir, log)
+    log(f"table3: {minutes_per_row:g} min per row, warmup "
+        f"{row_warmup_steps(base, minutes_per_row)} updates "
+        f"(the preset's {base.train.warmup_steps} scaled to the row's budget)")
     valid = load_split(base.data, "valid")
     if valid is None:
         raise ValueError("table3 needs a validation set (data.valid_src / data.valid_tgt)")
@@ -220,7 +239,8 @@ def run_table3(
         log(f"table3: [{i}/{len(jobs)}] row {job}"
             f"{' (resuming)' if resume else ''}: {row_cells(configs[job])}")
         result = _run_row(configs[job], job.partition(SEED_SUFFIX)[0], row_dir, vocab_dir,
-                          valid, minutes_per_row, resume, device, progress, log)
+                          valid, minutes_per_row, row_warmup_steps(base, minutes_per_row),
+                          resume, device, progress, log)
         result["job"] = job
         write_json_atomic(done, result)
         results.append(result)
@@ -257,14 +277,15 @@ def beyond_noise(result: dict[str, Any], spread: dict[str, Any] | None, key: str
 
 
 def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: Any,
-             minutes: float, resume: bool, device: str | None, progress: bool,
-             log: Callable[[str], None]) -> dict[str, Any]:
+             minutes: float, warmup_steps: int, resume: bool, device: str | None,
+             progress: bool, log: Callable[[str], None]) -> dict[str, Any]:
     from aiayn.checkpoint import list_checkpoints
-    from aiayn.evaluation.bleu import sacrebleu_scores
+    from aiayn.evaluation.bleu import corpus_bleu
     from aiayn.training.run import run_training
     from aiayn.translator import Translator
 
-    budget = [f"train.time_budget_s={minutes * 60}", "train.max_steps=100000000",
+    budget = [f"train.time_budget_s={minutes * 60}", f"train.warmup_steps={warmup_steps}",
+              "train.max_steps=100000000",
               "train.eval_bleu_sentences=0", "train.eval_every_steps=100000000",
               "train.early_stopping_patience=0", "train.keep_last=1",
               f"train.checkpoint_every_s={max(30.0, minutes * 60 / 4)}",
@@ -279,7 +300,7 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
     # the row's own decode settings (every preset: §6.1's beam 4, alpha 0.6); the corpus is the
     # model's text already
     hyps = translator.translate(valid.src, preprocessed=True)
-    bleu = sacrebleu_scores(hyps, valid.tgt)
+    bleu = corpus_bleu(hyps, valid.tgt, run_config.data)
     ppl = summary.get("valid_ppl", math.nan)
     log(f"table3: row {row}: {summary['steps']} steps in {summary['elapsed_s'] / 60:.1f} min, "
         f"dev PPL {ppl:.2f}, dev BLEU {bleu['bleu']:.2f} (beam {dc.beam_size}, alpha "
@@ -287,8 +308,10 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
         f"{time.monotonic() - t0:.0f} s)")
     return {"row": row, **row_cells(run_config), "steps": summary["steps"],
             "train_minutes": round(summary["elapsed_s"] / 60, 2),
+            "warmup_steps": run_config.train.warmup_steps,
             "dev_ppl": round(ppl, 3), "dev_bleu": round(bleu["bleu"], 2),
-            "dev_bleu_sentences": len(valid), "bleu_signature": bleu["bleu_signature"],
+            "dev_bleu_sentences": len(valid), "bleu_protocol": bleu["protocol"],
+            "bleu_signature": bleu["signature"],
             "parameters": summary["parameters"], "config": run_config.name,
             "precision": summary["precision"]["chosen"], "dev_beam_size": dc.beam_size,
             "dev_alpha": dc.alpha, "seed": run_config.train.seed}
@@ -328,6 +351,15 @@ def markdown_table(results: list[dict[str, Any]], title: str = "") -> str:
             f"{r['parameters'] / 1e6:.1f}",
             "" if paper[0] is None else f"{paper[0]:.2f}",
             "" if paper[1] is None else f"{paper[1]:.1f}"]) + " |")
+    warmups = sorted({r["warmup_steps"] for r in results if "warmup_steps" in r})
+    if warmups:
+        lines += ["", f"Warmup: {', '.join(map(str, warmups))} updates "
+                      "(the base preset's, scaled to the row's budget)."]
+    protocols = sorted({r["bleu_protocol"] for r in results if "bleu_protocol" in r})
+    if protocols:
+        from aiayn.evaluation.bleu import PROTOCOLS
+
+        lines += ["", "Dev BLEU: " + "; ".join(PROTOCOLS[p] for p in protocols) + "."]
     if spread is not None:
         b, p = spread["dev_bleu"], spread["dev_ppl"]
         lines += ["", f"Base row over {len(spread['seeds'])} seeds {spread['seeds']}: dev BLEU "
