@@ -83,6 +83,27 @@ def test_target_forms():
     assert canonical(["(S", "dog", ")"], FORMS[1])[0] == ["(S", "XX", ")"]
 
 
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.name)
+def test_word_vocabulary_keeps_words_seen_min_count_times(form):
+    from aiayn.data.vocab import UNK_ID
+    from aiayn.errors import UserError
+
+    trees = [T("(S (NP (DT the) (NN cat)) (VP (VBD sat)))"),
+             T("(S (NP (DT the) (NNS dogs)) (VP (VBD sat) (ADVP (RB here))))")]
+    pairs = [linearize(t, form) for t in trees]
+    sources, targets = [p[0] for p in pairs], [p[1] for p in pairs]
+    every = word_vocabulary(sources, targets)
+    frequent = word_vocabulary(sources, targets, min_count=2)
+    table = frequent.tokenizer.get_vocab()
+    # the tree tokens stay whatever their count; the words form's words are not tree tokens
+    assert {t for tgt in targets for t in tgt if t not in sources[0] + sources[1]} <= set(table)
+    assert {"the", "sat"} <= set(table) and not {"cat", "dogs", "here"} & set(table)
+    assert len(every) == len(frequent) + 3
+    assert frequent.encode("the cat sat") == [table["the"], UNK_ID, table["sat"]]
+    with pytest.raises(UserError, match="at least 1"):
+        word_vocabulary(sources, targets, min_count=0)
+
+
 def test_clean_removes_empty_elements_and_function_tags():
     tree = T("(S (NP-SBJ-1 (-NONE- *-2)) (NP-SBJ (NNP John)) (VP (VBD ran) (NP (-NONE- *T*))) "
              "(. .))")

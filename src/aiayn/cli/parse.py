@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "words themselves; +labelled-close writes ')NP' for ')' "
                          "(aiayn.parsing.trees.TargetForm; the default scored best on dev); "
                          "kept in split.json for eval")
+    pr.add_argument("--min-count", type=int, default=1, metavar="K",
+                    help="keep training words seen at least K times in the vocabulary; rarer "
+                         "ones are <unk> in training too, as unseen words are at test time")
     pr.add_argument("--max-files", type=int, default=0, metavar="K",
                     help="use only the first K files (smoke runs); 0: all")
     pr.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -115,17 +118,28 @@ def _write_lines(path: Path, lines: list[str]) -> None:
     write_atomic(path, "".join(line + "\n" for line in lines))
 
 
-def word_vocabulary(sources: list[list[str]], targets: list[list[str]]):
-    """A word-level :class:`~aiayn.data.vocab.Vocabulary`: the specials, every tree token and
-    every training word (most frequent first); unseen words become ``<unk>``."""
+def word_vocabulary(sources: list[list[str]], targets: list[list[str]], min_count: int = 1):
+    """A word-level :class:`~aiayn.data.vocab.Vocabulary`: the specials, every tree token
+    (brackets and ``XX``) and every training word seen at least ``min_count`` times (most
+    frequent first). Other words become ``<unk>``, in training too when ``min_count`` > 1, so
+    the model learns what to do with a word it does not know.
+
+    Raises:
+        UserError: ``min_count`` below 1.
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from aiayn.data.vocab import SPECIAL_TOKENS, UNK, Vocabulary
+    from aiayn.parsing.trees import PLACEHOLDER, is_close, is_open
 
-    tree_tokens = sorted({t for tgt in targets for t in tgt})
+    if min_count < 1:
+        raise UserError(f"--min-count must be at least 1, got {min_count}")
+    tree_tokens = sorted({t for tgt in targets for t in tgt
+                          if is_open(t) or is_close(t) or t == PLACEHOLDER})
     words = Counter(w for src in sources for w in src)
     table: dict[str, int] = {}
-    for tok in [*SPECIAL_TOKENS, *tree_tokens, *(w for w, _ in words.most_common())]:
+    for tok in [*SPECIAL_TOKENS, *tree_tokens,
+                *(w for w, c in words.most_common() if c >= min_count)]:
         table.setdefault(tok, len(table))
     tokenizer = Tokenizer(models.WordLevel(table, unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -153,7 +167,8 @@ def _prepare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     form = TargetForm.from_name(args.target_form)
-    summary = {"treebank": str(args.treebank), "target_form": form.name, "files": {},
+    summary = {"treebank": str(args.treebank), "target_form": form.name,
+               "min_count": args.min_count, "files": {},
                "sentences": {}, "dropped_empty": 0}
     pairs = {}
     for name in SPLITS:
@@ -174,7 +189,7 @@ def _prepare(args: argparse.Namespace) -> int:
         _write_lines(out / f"{name}.gold", gold)
         summary["files"][name] = split[name]
         summary["sentences"][name] = len(src)
-    vocab = word_vocabulary(*pairs["train"])
+    vocab = word_vocabulary(*pairs["train"], min_count=args.min_count)
     vocab.save(out)
     summary["vocabulary"] = len(vocab)
     write_json_atomic(out / "split.json", summary)
@@ -188,7 +203,8 @@ def _prepare(args: argparse.Namespace) -> int:
             ids = split[name]
             print(f"  {name:5s} {counts[name]:5d} sentences, {len(ids):3d} files "
                   f"({ids[0]} … {ids[-1]})")
-        print(f"  targets in the {form.name} form; word-level vocabulary {len(vocab)} tokens; "
+        print(f"  targets in the {form.name} form; word-level vocabulary {len(vocab)} tokens "
+              f"(words seen {args.min_count}+ times); "
               f"{summary['dropped_empty']} trees "
               "empty after removing -NONE- dropped")
     return 0
