@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import threading
+import time
 
 import pytest
 from nltk.tree import Tree
@@ -46,7 +50,8 @@ def test_table3_runs_scores_and_resumes(data_dir, tmp_path, capsys):
         assert r["dev_bleu_sentences"] == 8 and r["parameters"] > 0
     assert rows[1]["parameters"] < rows[0]["parameters"]
     table = (out / "table3.md").read_text()
-    assert "| C1 | 1 |" in table and "Dev BLEU: sacreBLEU" in table and (out / "table3.png").stat().st_size > 1000
+    assert "| C1 | 1 |" in table and "Dev BLEU: sacreBLEU" in table
+    assert (out / "table3.png").stat().st_size > 1000
     assert json.loads((out / "table3.json").read_text())["rows"] == rows
 
     # finished rows are kept; an interrupted one (checkpoint, no row.json) continues
@@ -90,6 +95,47 @@ def test_table3_trains_rows_in_parallel_with_base_seeds(data_dir, tmp_path, caps
     # several seeds need the base row
     assert main(argv[:7] + ["C1"] + argv[8:]) == 2
     assert "base row" in capsys.readouterr().err
+
+
+def test_a_signal_stops_table3_without_scoring_the_unfinished_row(data_dir, tmp_path, capsys):
+    """Ctrl-C during a row's training keeps its checkpoint but writes no row.json (a row cut
+    short is not a row of the table), exits 130, and the same command continues the row."""
+    from aiayn.data.corpus import load_dataset
+
+    out = tmp_path / "t3"
+    argv = ["experiment", "table3", "--scale", "tiny", "--dataset", "files", "--rows", "base",
+            "--minutes-per-row", "0.3", "--dev-sentences", "4", "--out", str(out),
+            "--no-progress", "--set", "train.log_every_steps=1"]
+    for split, k in (("train", 200), ("val", 20)):
+        pairs = load_dataset("multi30k", split, "en", "de")
+        for side, lines in (("src", pairs.src[:k]), ("tgt", pairs.tgt[:k])):
+            path = tmp_path / f"{split}.{side}"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            argv += ["--set", f"data.{'train' if split == 'train' else 'valid'}_{side}={path}"]
+    metrics = out / "rows" / "base" / "metrics.jsonl"
+
+    def interrupt_when_training() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if metrics.is_file() and b'"kind": "train"' in metrics.read_bytes():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=interrupt_when_training, daemon=True)
+    watcher.start()
+    code = main(argv)
+    watcher.join()
+    log = capsys.readouterr()
+    assert code == 130, log.err
+    assert not (out / "rows" / "base" / "row.json").exists()
+    assert "Rerun the same command to continue it" in log.out
+    summary = json.loads((out / "rows" / "base" / "train_summary.json").read_text())
+    assert summary["stop_reason"] == "signal SIGINT"
+    assert main(argv) == 0
+    assert "row base (resuming)" in capsys.readouterr().out
+    row = json.loads((out / "rows" / "base" / "row.json").read_text())
+    assert row["steps"] > summary["steps"]
 
 
 def test_table3_rejects_unknown_rows(tmp_path, capsys):

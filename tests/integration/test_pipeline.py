@@ -107,7 +107,9 @@ ENSEMBLE = ["pipeline", "--preset", "tiny", "--no-progress", "--json", "--ensemb
             "--set", "train.checkpoint_every_steps=30", "--set", "train.eval_every_steps=60"]
 
 
-def test_pipeline_trains_and_decodes_an_ensemble(tmp_path: Path, capsys) -> None:
+def test_pipeline_trains_and_decodes_an_ensemble(data_dir: Path, tmp_path: Path,
+                                                  capsys) -> None:
+    # data_dir: trains on Multi30k, so it skips, saying why, without AIAYN_DATA_DIR
     # train.precision auto (as every preset but `tiny` says): the job then checks int8 on val
     # and may record it as the run's decoding precision (check_reduced_precision)
     run_dir = tmp_path / "run"
@@ -166,7 +168,8 @@ def test_pipeline_trains_and_decodes_an_ensemble(tmp_path: Path, capsys) -> None
     assert "ensemble member 2 failed" in err and "member-2" in err
 
 
-def test_a_signal_stops_every_ensemble_member_with_a_checkpoint(tmp_path: Path,
+def test_a_signal_stops_every_ensemble_member_with_a_checkpoint(data_dir: Path,
+                                                                tmp_path: Path,
                                                                 capsys) -> None:
     run_dir = tmp_path / "run"
 
@@ -191,7 +194,8 @@ def test_a_signal_stops_every_ensemble_member_with_a_checkpoint(tmp_path: Path,
     assert {name: (run_dir / name).read_bytes() for name in shared} == shared
 
 
-def test_a_signal_while_the_members_start_is_a_stop_not_a_failure(tmp_path: Path,
+def test_a_signal_while_the_members_start_is_a_stop_not_a_failure(data_dir: Path,
+                                                                   tmp_path: Path,
                                                                    capsys) -> None:
     """Before a member's training loop catches signals (Python and torch still loading), the
     forwarded SIGINT ends it with exit 130: the job stops as a single run would, and a resume

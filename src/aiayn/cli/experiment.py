@@ -93,6 +93,7 @@ def _table3(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import write_json_atomic
     from aiayn.fileio import write_atomic
     from aiayn.config import load_config
+    from aiayn.evaluation.bleu import PROTOCOLS
     from aiayn.experiments.table3 import (base_spread, job_names, markdown_table, parse_rows,
                                           pending_jobs, plot_bleu, prepare_table3, run_table3)
 
@@ -132,11 +133,12 @@ def _table3(args: argparse.Namespace) -> int:
                          base_seeds=args.base_seeds, device=args.device,
                          progress=not args.no_progress, log=say)
     k = results[0]["dev_bleu_sentences"] if results else 0
+    protocol = PROTOCOLS.get(results[0].get("bleu_protocol", ""), "sacreBLEU") \
+        if results else "-"
     title = (f"Table 3 variations on {base.data.dataset} ({base.data.src_lang}->"
              f"{base.data.tgt_lang}), scaled from preset {args.scale}, {args.minutes_per_row:g} "
              f"min per row; dev PPL per subword on the whole validation set; dev BLEU "
-             f"(sacreBLEU, cased, detokenized) on its first {k} pairs, beam 4, alpha 0.6, "
-             "no averaging")
+             f"({protocol}) on {k} pairs, beam 4, alpha 0.6, no averaging")
     write_json_atomic(out / "table3.json", {"title": title, "rows": results,
                                             "base_spread": base_spread(results)})
     table = markdown_table(results, title)

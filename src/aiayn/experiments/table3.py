@@ -199,6 +199,9 @@ def run_table3(
 ) -> list[dict[str, Any]]:
     """Train and score each job of :func:`job_names` into ``out_dir/rows/JOB``; resumable.
 
+    A signal (Ctrl-C, SIGTERM) stops the row in training with a checkpoint, and the table
+    with it: the row is not scored, and :class:`KeyboardInterrupt` is raised.
+
     A job with ``row.json`` is done and not run again; a job with checkpoints but no
     ``row.json`` was interrupted and continues from its newest checkpoint. One vocabulary,
     learned once from the base preset's training data (:func:`prepare_table3`), serves every
@@ -241,6 +244,10 @@ def run_table3(
         result = _run_row(configs[job], job.partition(SEED_SUFFIX)[0], row_dir, vocab_dir,
                           valid, minutes_per_row, row_warmup_steps(base, minutes_per_row),
                           resume, device, progress, log)
+        if result is None:  # stopped by a signal: not a finished row, and nothing else runs
+            log(f"table3: row {job} stopped before its budget; its checkpoints are in "
+                f"{row_dir}. Rerun the same command to continue it")
+            raise KeyboardInterrupt
         result["job"] = job
         write_json_atomic(done, result)
         results.append(result)
@@ -278,7 +285,7 @@ def beyond_noise(result: dict[str, Any], spread: dict[str, Any] | None, key: str
 
 def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: Any,
              minutes: float, warmup_steps: int, resume: bool, device: str | None,
-             progress: bool, log: Callable[[str], None]) -> dict[str, Any]:
+             progress: bool, log: Callable[[str], None]) -> dict[str, Any] | None:
     from aiayn.checkpoint import list_checkpoints
     from aiayn.evaluation.bleu import corpus_bleu
     from aiayn.training.run import run_training
@@ -294,6 +301,8 @@ def _run_row(config: Config, row: str, row_dir: Path, vocab_dir: Path, valid: An
     summary = run_training(None if resume else config, row_dir, vocab_path=vocab_dir,
                            resume=resume, overrides=budget if resume else None, device=device,
                            progress=progress, log=log)
+    if summary["stop_reason"].startswith("signal"):
+        return None
     translator = Translator.from_pretrained(list_checkpoints(row_dir)[-1], device=device)
     run_config, dc = translator.config, translator.decode_config
     t0 = time.monotonic()
