@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import threading
-import time
 
 import pytest
 from nltk.tree import Tree
@@ -114,18 +110,11 @@ def test_a_signal_stops_table3_without_scoring_the_unfinished_row(data_dir, tmp_
             argv += ["--set", f"data.{'train' if split == 'train' else 'valid'}_{side}={path}"]
     metrics = out / "rows" / "base" / "metrics.jsonl"
 
-    def interrupt_when_training() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if metrics.is_file() and b'"kind": "train"' in metrics.read_bytes():
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.01)
+    from interrupt import interrupted_once
 
-    watcher = threading.Thread(target=interrupt_when_training, daemon=True)
-    watcher.start()
-    code = main(argv)
-    watcher.join()
+    code = interrupted_once(
+        lambda: metrics.is_file() and b'"kind": "train"' in metrics.read_bytes(),
+        lambda: main(argv))
     log = capsys.readouterr()
     assert code == 130, log.err
     assert not (out / "rows" / "base" / "row.json").exists()

@@ -9,8 +9,6 @@ import json
 import os
 import signal
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -220,21 +218,10 @@ def _read(path: Path) -> bytes:
 
 
 def _interrupted_once(ready, job: list[str]) -> int:
-    """Run ``aiayn`` with ``job`` while a thread sends this process SIGINT as soon as
-    ``ready()`` holds (polled every 10 ms, for at most 120 s); the job's exit code."""
-    def watch() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if ready():
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.01)
+    """Run ``aiayn`` with ``job``, SIGINT sent as soon as ``ready()`` holds; its exit code."""
+    from interrupt import interrupted_once
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    code = main(job)
-    watcher.join()
-    return code
+    return interrupted_once(ready, lambda: main(job))
 
 
 def readme_python() -> str:
