@@ -103,15 +103,21 @@ def product_shapes(model: ModelConfig, rows: int = PROBE_ROWS) -> list[tuple[int
             (rows, d, min(model.target_vocab_size, 2048))]
 
 
-def _seconds_per_call(fn: Any, budget_s: float, max_calls: int = 10) -> float:
+def _seconds_per_call(fn: Any, budget_s: float, max_calls: int = 10,
+                      min_calls: int = 3) -> float:
+    """The fastest of at least ``min_calls`` timed calls: another process that wakes for a
+    few milliseconds (a second training starting beside this one) slows some calls, never
+    speeds one up."""
     fn()  # the first call builds the kernel (oneDNN primitive creation, ~ms)
-    calls, t0 = 0, time.perf_counter()
+    calls, best, t_start = 0, float("inf"), time.perf_counter()
     while True:
+        t0 = time.perf_counter()
         fn()
+        best = min(best, time.perf_counter() - t0)
         calls += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= budget_s or calls >= max_calls:
-            return elapsed / calls
+        if calls >= max_calls or (calls >= min_calls
+                                  and time.perf_counter() - t_start >= budget_s):
+            return best
 
 
 def _rates(shapes: list[tuple[int, int, int]], budget_s: float) -> tuple[float, float]:
@@ -233,6 +239,33 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
     note = "as asked" if bf16 >= fp32 else \
         f"as asked, but this CPU runs bf16 {fp32 / bf16:.0f}x slower than fp32 (use auto)"
     return Precision(requested, requested, f"{note}; {rates}", round(fp32, 1), round(bf16, 1))
+
+
+def resumed_precision(current: Precision, recorded: str | None, recorded_device: str | None,
+                      device: torch.device | str) -> Precision:
+    """The precision of a training run that resumes from a checkpoint: ``current`` is what
+    this process resolved, ``recorded`` and ``recorded_device`` what the checkpoint's run used
+    (its training state's ``precision`` and ``precision_device``; None in checkpoints written
+    before they were kept).
+
+    An ``auto`` run keeps the recorded precision, so that one run is trained in one precision
+    whatever a probe measures on a busy machine (a row of Table 3 resumed beside another
+    process's start once probed bf16 at a quarter of its rate and switched to fp32 for the
+    rest of its budget). It takes ``current`` instead where the machine has changed: another
+    device type, or a CPU where the probe measures bf16 slower than fp32 (emulated bf16, 5-45x
+    slower, :func:`probe_cpu`). An explicit precision is kept as asked."""
+    import torch
+
+    if (current.requested != "auto" or recorded is None or recorded == current.chosen
+            or recorded_device != torch.device(device).type):
+        return current
+    if recorded in ("bf16", "bf16-weights") and current.bf16_gflops is not None \
+            and current.fp32_gflops is not None and current.bf16_gflops < current.fp32_gflops:
+        return current
+    return Precision(current.requested, recorded,
+                     f"{recorded} kept from the checkpoint: a resumed run keeps its precision "
+                     f"(this probe chose {current.chosen}: {current.reason})",
+                     current.fp32_gflops, current.bf16_gflops, current.int8_gops)
 
 
 def default_decoding_precision(recorded: str | None = None,

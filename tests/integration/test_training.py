@@ -489,6 +489,29 @@ def test_resume_takes_the_optimizer_settings_of_its_config(tmp_path: Path) -> No
                      overrides=["train.max_steps=8", "train.decoupled_weight_decay=true"])
 
 
+def test_a_resumed_auto_run_keeps_the_precision_it_started_in(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """``auto`` is resolved once per run: a resume whose probe comes out the other way (a busy
+    machine; here the probe is made to) keeps the checkpoint's precision, and trains on."""
+    import aiayn.precision as precision
+
+    cfg = task_config(tmp_path, max_steps=4, precision="auto")
+    run_training(cfg, tmp_path / "run", progress=False, log=quiet)
+    first = load_training_state(tmp_path / "run/checkpoints/step-00000004")
+    assert first["precision_device"] == "cpu"
+    # rates under which this machine's probe would choose the other precision, with bf16 no
+    # slower than fp32 (a slower bf16 is a machine without native bf16: that one switches)
+    flipped = (100.0, 110.0) if first["precision"] == "bf16-weights" else (100.0, 400.0)
+    monkeypatch.setattr(precision, "probe_cpu", lambda model, rows: flipped)
+    lines: list[str] = []
+    run_training(None, tmp_path / "run", resume=True, progress=False, log=lines.append,
+                 overrides=["train.max_steps=6"])
+    assert load_training_state(tmp_path / "run/checkpoints/step-00000006")["precision"] == \
+        first["precision"]
+    assert any(f"precision {first['precision']} (auto: {first['precision']} kept from the "
+               "checkpoint" in line for line in lines), lines
+
+
 def test_resume_checks_that_the_weights_fit(tmp_path: Path) -> None:
     """Resuming loads the newest checkpoint's weights with the checks loading does: weights of
     another shape, or with a tensor missing, are refused with the file named, not loaded in

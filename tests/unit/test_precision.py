@@ -8,8 +8,8 @@ import torch
 
 import aiayn.precision as precision
 from aiayn.config import load_config
-from aiayn.precision import (choose_precision, default_decoding_precision,
-                             may_reduce_decoding_precision, probe_cpu)
+from aiayn.precision import (Precision, choose_precision, default_decoding_precision,
+                             may_reduce_decoding_precision, probe_cpu, resumed_precision)
 
 MODEL = load_config("multi30k").model
 
@@ -55,6 +55,32 @@ def test_an_explicit_precision_is_kept_and_a_slow_bf16_is_said(monkeypatch):
     assert choose_precision("fp32", "cpu", MODEL).chosen == "fp32"  # no probe for fp32
     with pytest.raises(ValueError, match="'bf16-weights': expected one of auto, fp32, bf16"):
         choose_precision("bf16-weights", "cpu", MODEL, training=False)
+
+
+@pytest.mark.parametrize("now, recorded, device, kept", [
+    (Precision("auto", "fp32", "", 100.0, 110.0), "bf16-weights", "cpu", True),  # noise
+    (Precision("auto", "bf16-weights", "", 100.0, 400.0), "fp32", "cpu", True),
+    (Precision("auto", "fp32", "", 100.0, 5.0), "bf16-weights", "cpu", False),  # emulated bf16
+    (Precision("auto", "bf16-weights", "", 100.0, 400.0), "bf16", "cuda", False),  # moved
+    (Precision("auto", "fp32", "", 100.0, 110.0), None, None, False),  # an older checkpoint
+    (Precision("fp32", "fp32", "as asked"), "bf16-weights", "cpu", False)])  # asked for
+def test_a_resumed_run_keeps_its_recorded_precision_unless_the_machine_changed(now, recorded,
+                                                                               device, kept):
+    got = resumed_precision(now, recorded, device, "cpu")
+    assert got.chosen == (recorded if kept else now.chosen)
+    assert ("kept from the checkpoint" in got.reason) == kept
+    assert (got.fp32_gflops, got.bf16_gflops) == (now.fp32_gflops, now.bf16_gflops)
+
+
+def test_the_probe_takes_the_fastest_call():
+    """One slow call (another process woke up) does not decide the rate."""
+    calls = iter([0.0, 0.05, 0.0, 0.0])  # the warm-up call, then one slow and two fast
+
+    def fn():
+        import time
+        time.sleep(next(calls))
+
+    assert precision._seconds_per_call(fn, budget_s=0.0, max_calls=10) < 0.02
 
 
 def test_decoding_defaults_to_fp32_unless_a_check_recorded_another():

@@ -42,7 +42,7 @@ from aiayn.devices import cpu_times, steal_percent
 from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
-from aiayn.precision import choose_precision
+from aiayn.precision import Precision, choose_precision, resumed_precision
 from aiayn.training import step as update
 from aiayn.training.distributed import (
     DistInfo,
@@ -189,13 +189,8 @@ class Trainer:
         self.precision = agree_precision(
             choose_precision(self.tc.precision, self.device, config.model), self.dist,
             self.device)
-        self.mixed = MixedPrecision(self.model, self.precision, self.device)
-        self.ddp_model: nn.Module = self.compute_model
         self._dropout_active: bool | None = None  # set by _schedule_dropout (late dropout)
-        if self.dist.world_size > 1:
-            self.ddp_model = nn.parallel.DistributedDataParallel(
-                self.compute_model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self._set_precision(self.precision)
         self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model,
                                                                                  self.tc)
         # train.ema_decay: a float32 moving average of the master weights, one lerp per update
@@ -207,6 +202,17 @@ class Trainer:
             MetricsSink(self.run_dir, enabled=self.dist.is_main)
         self.checkpointer = checkpointer if checkpointer is not None else \
             Checkpointer(self.run_dir, config, vocab, self.tc.keep_last)
+
+    def _set_precision(self, precision: Precision) -> None:
+        """Build the compute model for ``precision`` (a bf16 copy for bf16-weights) and wrap it
+        in DistributedDataParallel when there are several processes."""
+        self.precision = precision
+        self.mixed = MixedPrecision(self.model, precision, self.device)
+        self.ddp_model: nn.Module = self.compute_model
+        if self.dist.world_size > 1:
+            self.ddp_model = nn.parallel.DistributedDataParallel(
+                self.compute_model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     @property
     def compute_model(self) -> nn.Module:
@@ -233,7 +239,8 @@ class Trainer:
         return {**self.state.to_dict(), "optimizer": self.optimizer.state_dict(),
                 **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
                 "rng": rng_states(self.dist, self.device),
-                "rank": self.dist.rank, "world_size": self.dist.world_size}
+                "rank": self.dist.rank, "world_size": self.dist.world_size,
+                "precision": self.precision.chosen, "precision_device": self.device.type}
 
     def resume(self, checkpoint: Path) -> None:
         """Restore weights (checked to fit the model, as loading does), optimizer, schedule
@@ -261,6 +268,10 @@ class Trainer:
         self.optimizer.load_state_dict(st["optimizer"])
         for group, settings in zip(self.optimizer.param_groups, hyper):
             group.update(settings)
+        kept = resumed_precision(self.precision, st.get("precision"),
+                                 st.get("precision_device"), self.device)
+        if kept != self.precision:  # every process read the same checkpoint: still agreed
+            self._set_precision(kept)
         self.mixed.weights_to_compute()
         if self.ema is not None:  # a run that turns the EMA on when resumed starts it here
             if "ema" in st:
