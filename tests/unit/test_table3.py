@@ -10,6 +10,7 @@ from aiayn.experiments.table3 import (
     ROW_NAMES,
     markdown_table,
     parse_rows,
+    plot_bleu,
     row_cells,
     row_warmup_steps,
     scale_row,
@@ -102,3 +103,27 @@ def test_markdown_leaves_cells_equal_to_base_blank():
     assert c1[:3] == ["C1", "1", ""] and c1[-2:] == ["6.11", "23.7"]
     r = [c.strip() for c in lines[4].split("|")[1:-1]]
     assert r[10] == "4" and r[1] == ""
+
+
+def test_the_chart_shades_the_base_seeds_noise_band(tmp_path, monkeypatch):
+    """With two base seeds the chart draws the band that † marks rows outside of."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = load_config("multi30k")
+    results = [{"row": row, "job": job, **row_cells(scale_row(base, row, 4)), "steps": 10,
+                "train_minutes": 1.0, "dev_ppl": 9.5, "dev_bleu": bleu, "parameters": 1}
+               for row, job, bleu in (("base", "base", 20.0), ("base", "base-seed2", 21.0),
+                                      ("C1", "C1", 30.0))]
+    labels: list[str] = []
+    savefig = plt.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        labels.extend(p.get_label() for p in fig.axes[0].patches)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    assert plot_bleu(results, tmp_path / "t3.png").stat().st_size > 1000
+    assert any("2 × seed spread" in label for label in labels)  # the band: 18.0 to 23.0

@@ -379,7 +379,9 @@ def markdown_table(results: list[dict[str, Any]], title: str = "") -> str:
 
 
 def plot_bleu(results: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Bar chart of dev BLEU per row (ours) with the paper's as dots on a second axis."""
+    """Bar chart of dev BLEU per row (ours) with the paper's as dots on a second axis. With
+    two base seeds or more, a band shows the base mean ± twice the seeds' spread: a bar that
+    ends outside it is a row marked † in the table (:func:`beyond_noise`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -389,6 +391,11 @@ def plot_bleu(results: list[dict[str, Any]], path: str | Path, title: str = "") 
     rows = [r.get("job", r["row"]) for r in results]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.45 * len(rows) + 2), 3.2), dpi=100)
     ax.bar(rows, [r["dev_bleu"] for r in results], color="tab:blue", label="this run (left)")
+    spread = base_spread(results)
+    if spread is not None:
+        b = spread["dev_bleu"]
+        ax.axhspan(b["mean"] - 2 * b["spread"], b["mean"] + 2 * b["spread"], color="0.85",
+                   zorder=0, label="base mean ± 2 × seed spread (left)")
     ax.set_ylabel("dev BLEU (this run)")
     ax.set_title(title or "Table 3 variations: dev BLEU per row", fontsize=9)
     twin = ax.twinx()
@@ -399,7 +406,7 @@ def plot_bleu(results: list[dict[str, Any]], path: str | Path, title: str = "") 
                   label="paper, newstest2013 (right)")
         twin.set_ylabel("paper dev BLEU")
     fig.legend(loc="lower right", fontsize=7)
-    ax.tick_params(axis="x", labelsize=8)
+    ax.tick_params(axis="x", labelsize=8, labelrotation=60)
     fig.tight_layout()
     try:
         return save_with(path, fig.savefig)
