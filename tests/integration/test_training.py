@@ -471,6 +471,29 @@ def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None
     assert sum(full[s] for s in range(26, 31)) < sum(full[s] for s in range(1, 6))
 
 
+def test_a_resume_drops_the_metrics_of_the_steps_it_trains_again(tmp_path: Path) -> None:
+    """A kill after step 25's log line but before its checkpoint: the resume from step 20
+    trains 21-25 again, and metrics.jsonl ends with one record per step, not two."""
+    import shutil
+
+    run = tmp_path / "run"
+    run_training(task_config(tmp_path, max_steps=25), run, progress=False, log=quiet)
+    shutil.rmtree(run / "checkpoints/step-00000025")
+    after = sum(json.loads(line)["step"] > 20
+                for line in (run / "metrics.jsonl").read_text().splitlines())
+    assert after >= 5  # the train records of steps 21-25, at least
+    with open(run / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write('{"kind": "train", "st')  # the kill tore the last line
+    lines: list[str] = []
+    run_training(None, run, resume=True, overrides=["train.max_steps=30"], progress=False,
+                 log=lines.append)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == list(range(1, 31))
+    assert any(f"(step 20); {after + 1} metrics.jsonl line(s) of the steps after it dropped"
+               in line
+               for line in lines), lines
+
+
 def test_resume_takes_the_optimizer_settings_of_its_config(tmp_path: Path) -> None:
     """A resumed run's weight decay, betas and epsilon are its config's (an override on resume
     included), not the ones torch's load_state_dict restores from the checkpoint. AdamW's two

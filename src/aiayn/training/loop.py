@@ -190,6 +190,7 @@ class Trainer:
             choose_precision(self.tc.precision, self.device, config.model), self.dist,
             self.device)
         self._dropout_active: bool | None = None  # set by _schedule_dropout (late dropout)
+        self.metrics_dropped = 0  # metrics.jsonl lines of steps after the resumed checkpoint
         self._set_precision(self.precision)
         self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model,
                                                                                  self.tc)
@@ -281,6 +282,8 @@ class Trainer:
         self.state = TrainState.from_dict(st)
         restore_rng_state(st, self.dist, self.device)
         self.stream.seek()
+        # the steps after the checkpoint are trained again: their old records go
+        self.metrics_dropped = self.metrics.rewind(self.state.step)
 
     # --- one update -----------------------------------------------------------------------
     def _attention_backend(self) -> contextlib.AbstractContextManager:

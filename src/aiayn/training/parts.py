@@ -54,6 +54,33 @@ class MetricsSink:
                     self.writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
             self.writer.flush()
 
+    def rewind(self, step: int) -> int:
+        """Drop the records of steps after ``step`` from ``metrics.jsonl``, atomically: a run
+        resumed from the checkpoint of ``step`` trains those steps again, and its log must
+        describe the weights it has, not an attempt that a kill undid. A last line cut off by
+        a kill (not valid JSON) goes too. Returns how many lines were dropped. TensorBoard's
+        events are left as they are (TensorBoard shows a rerun step as it sees fit)."""
+        if not self.enabled or not self.path.is_file():
+            return 0
+        from aiayn.fileio import write_atomic
+
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = []
+        for i, line in enumerate(lines):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if i == len(lines) - 1 and not line.endswith("\n"):
+                    continue  # torn by a kill mid-write
+                kept.append(line)  # not ours to judge: keep it
+                continue
+            if not (isinstance(record, dict) and isinstance(record.get("step"), int)
+                    and record["step"] > step):
+                kept.append(line)
+        if len(kept) < len(lines):
+            write_atomic(self.path, "".join(kept))
+        return len(lines) - len(kept)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

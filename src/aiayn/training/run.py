@@ -314,7 +314,9 @@ def run_training(
                     if config.train.decoupled_weight_decay else "an L2 term in Adam's gradient")
             log(f"aiayn train: weight decay {config.train.weight_decay}, {kind}")
         if resume_from is not None:
-            log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step})")
+            dropped = (f"; {trainer.metrics_dropped} metrics.jsonl line(s) of the steps after "
+                       "it dropped, as they are trained again" if trainer.metrics_dropped else "")
+            log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step}){dropped}")
     try:
         return trainer.fit()
     finally:
