@@ -269,9 +269,11 @@ class Trainer:
         self.optimizer.load_state_dict(st["optimizer"])
         for group, settings in zip(self.optimizer.param_groups, hyper):
             group.update(settings)
-        kept = resumed_precision(self.precision, st.get("precision"),
-                                 st.get("precision_device"), self.device)
-        if kept != self.precision:  # every process read the same checkpoint: still agreed
+        # agreed again: resumed_precision reads each process's own probe rates
+        kept = agree_precision(resumed_precision(self.precision, st.get("precision"),
+                                                 st.get("precision_device"), self.device),
+                               self.dist, self.device)
+        if kept != self.precision:
             self._set_precision(kept)
         self.mixed.weights_to_compute()
         if self.ema is not None:  # a run that turns the EMA on when resumed starts it here
