@@ -190,7 +190,9 @@ def test_parse_prepare_train_eval(data_dir, tmp_path, capsys):
     assert res["flat"]["matched"] <= res["flat"]["test_brackets"] == 6  # one bracket each
     for name in ("model", "right_branching", "flat"):  # unlabelled matches include labelled
         assert res["unlabelled"][name]["matched"] >= res[name]["matched"]
-    words = [line.split() for line in (data / "test.src").read_text().splitlines()][:6]
+    # trees over the real words (test.src holds rare words as their class, --min-count 2)
+    words = [Tree.fromstring(line).leaves()
+             for line in (data / "test.gold").read_text().splitlines()][:6]
     parsed = (run / "test.parsed").read_text().splitlines()
     # a PCFG file (bench/pcfg_baseline.py's form) joins the table, on the sentences it holds;
     # here its "parses" are the right-branching trees of sentences 1 and 3
@@ -217,7 +219,8 @@ def test_parse_xx_form_and_an_ensemble(data_dir, tmp_path, capsys):
     """Vinyals et al.'s plain form (XX for each word, bare closes) end to end: prepare writes
     it when asked (and says so in split.json), eval reads it back from there, decodes an
     ensemble of two runs with it, and every output is a tree of the sentence's words. Words
-    seen once are <unk> in training (--min-count 2)."""
+    seen once are their unknown-word class in training (--min-count 2), and the outputs are
+    trees of the real words."""
     data = tmp_path / "data"
     assert main(["parse", "prepare", "--treebank",
                  str(data_dir / "ptb-sample" / "treebank.zip"), "--out", str(data),
@@ -242,7 +245,11 @@ def test_parse_xx_form_and_an_ensemble(data_dir, tmp_path, capsys):
     assert res["target_form"] == "xx" and res["repaired"] == 0
     assert res["checkpoints"] == [str(r) for r in runs]
     assert res["gold_round_trip_f1"] == 100.0
-    test_words = [line.split() for line in (data / "test.src").read_text().splitlines()][:5]
+    test_words = [Tree.fromstring(line).leaves()
+                  for line in (data / "test.gold").read_text().splitlines()][:5]
+    model_words = [line.split() for line in (data / "test.src").read_text().splitlines()][:5]
+    assert [len(w) for w in model_words] == [len(w) for w in test_words]
+    assert any(m.startswith("<UNK") for s in model_words for m in s)
     parsed = (tmp_path / "ens" / "test.parsed").read_text().splitlines()
     assert [Tree.fromstring(line).leaves() for line in parsed] == test_words
 

@@ -70,6 +70,23 @@ def test_unseen_words_map_to_classes_the_grammar_has(files):
     assert unseen > 100
 
 
+def test_word_classes_keep_frequent_words_and_class_the_rest():
+    train = [["the", "dog", "barks"], ["the", "Dogs", "barking"], ["the", "dog", "sleeps"]]
+    words = pcfg.WordClasses.count(train, min_count=2)
+    assert words.known == {"the", "dog"}
+    assert dict(words.classes) == {"<UNK-s>": 2, "<UNK-Cap-s>": 1, "<UNK-ing>": 1}
+    assert [words.training_token(w) for w in train[1]] == ["the", "<UNK-Cap-s>", "<UNK-ing>"]
+    # unseen words: their most specific class seen in training, then the most frequent one
+    assert words.terminal("dog") == "dog"
+    assert words.terminal("Cats") == "<UNK-Cap-s>"
+    assert words.terminal("Cat") == "<UNK-s>"  # no <UNK-Cap> nor <UNK>: the most frequent
+    assert words.terminal("walking") == "<UNK-ing>"
+    with pytest.raises(ValueError, match="min_count >= 2"):
+        pcfg.WordClasses.count(train, min_count=1).terminal("cat")
+    with pytest.raises(ValueError, match="look like unknown-word classes"):
+        pcfg.WordClasses.count([["<UNK-s>", "<UNK-s>", "hats"]], min_count=2)
+
+
 def test_a_grammar_parses_its_own_training_sentence_back(files):
     trees = files[0] + files[1]  # wsj_0001-0002: three sentences
     model = pcfg.induce(trees, min_word_count=1)

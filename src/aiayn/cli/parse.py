@@ -49,16 +49,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "words themselves; +labelled-close writes ')NP' for ')' "
                          "(aiayn.parsing.trees.TargetForm; the default scored best on dev); "
                          "kept in split.json for eval")
-    pr.add_argument("--min-count", type=int, default=1, metavar="K",
-                    help="keep training words seen at least K times in the vocabulary; rarer "
-                         "ones are <unk> in training too, as unseen words are at test time")
+    pr.add_argument("--min-count", type=int, default=2, metavar="K",
+                    help="keep training words seen at least K times as themselves; rarer ones "
+                         "are written as unseen words are at test time (--unknown-words); "
+                         "2 scored best on dev")
+    pr.add_argument("--unknown-words", default="signature", choices=("signature", "unk"),
+                    help="what the words under --min-count become in the model's input and "
+                         "target: their class by shape and suffix (<UNK-Cap-ing>, as the "
+                         "treebank PCFG does; aiayn.parsing.pcfg.WordClasses) or one <unk>; "
+                         "with --min-count 1 unseen words are <unk> either way")
     pr.add_argument("--max-files", type=int, default=0, metavar="K",
                     help="use only the first K files (smoke runs); 0: all")
     pr.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     tr = sub.add_parser("train", formatter_class=_HelpFormatter,
                         help="train a parser on prepared data",
-                        description="Train the `parse` preset (N = 2, 15 minutes; beam 21, "
+                        description="Train the `parse` preset (N = 2, 60 minutes; beam 21, "
                                     "alpha 0.3, input + 300 when decoding) on the output of "
                                     "`prepare`.")
     tr.add_argument("--data", default="runs/parse/data", metavar="DIR",
@@ -147,12 +153,37 @@ def word_vocabulary(sources: list[list[str]], targets: list[list[str]], min_coun
     return Vocabulary(tokenizer, kind="word")
 
 
+def _model_words(train_trees: list, min_count: int, unknown_words: str):
+    """word -> the token the model reads and writes for it: itself, or (``unknown_words``
+    ``signature``, ``min_count`` > 1) its unknown-word class when seen fewer than
+    ``min_count`` times in ``train_trees`` or never; with ``unk`` the word itself, which the
+    vocabulary (:func:`word_vocabulary`) turns into ``<unk>``.
+
+    Raises:
+        UserError: ``min_count`` below 1.
+    """
+    from aiayn.parsing.pcfg import WordClasses
+
+    if min_count < 1:
+        raise UserError(f"--min-count must be at least 1, got {min_count}")
+    if unknown_words == "unk" or min_count == 1:
+        return lambda word: word
+    try:
+        classes = WordClasses.count((t.leaves() for t in train_trees), min_count)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    return classes.terminal
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from aiayn.checkpoint import write_json_atomic
     from aiayn.parsing.trees import (
+        PLACEHOLDER,
         TargetForm,
         check_fractions,
         clean,
+        is_close,
+        is_open,
         linearize,
         read_treebank,
         split_by_file,
@@ -169,32 +200,42 @@ def _prepare(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     form = TargetForm.from_name(args.target_form)
     summary = {"treebank": str(args.treebank), "target_form": form.name,
-               "min_count": args.min_count, "files": {},
+               "min_count": args.min_count, "unknown_words": args.unknown_words, "files": {},
                "sentences": {}, "dropped_empty": 0}
-    pairs = {}
+    trees = {}
     for name in SPLITS:
-        src, tgt, gold = [], [], []
+        trees[name] = []
         for file_id in split[name]:
             for tree in files[file_id]:
                 cleaned = clean(tree)
                 if cleaned is None:
                     summary["dropped_empty"] += 1
-                    continue
-                words, target = linearize(cleaned, form)
-                src.append(words)
-                tgt.append(target)
-                gold.append(to_line(cleaned))
+                else:
+                    trees[name].append(cleaned)
+    model_word = _model_words(trees["train"], args.min_count, args.unknown_words)
+    pairs = {}
+    for name in SPLITS:
+        src, tgt, gold = [], [], []
+        for cleaned in trees[name]:
+            words, target = linearize(cleaned, form)
+            src.append([model_word(w) for w in words])
+            tgt.append([t if is_open(t) or is_close(t) or t == PLACEHOLDER else model_word(t)
+                        for t in target])
+            gold.append(to_line(cleaned))
         pairs[name] = (src, tgt)
         _write_lines(out / f"{name}.src", [" ".join(s) for s in src])
         _write_lines(out / f"{name}.tgt", [" ".join(t) for t in tgt])
         _write_lines(out / f"{name}.gold", gold)
         summary["files"][name] = split[name]
         summary["sentences"][name] = len(src)
-    vocab = word_vocabulary(*pairs["train"], min_count=args.min_count)
+    vocab = word_vocabulary(*pairs["train"], min_count=1 if args.unknown_words ==
+                            "signature" else args.min_count)
     vocab.save(out)
     summary["vocabulary"] = len(vocab)
     write_json_atomic(out / "split.json", summary)
     counts = summary["sentences"]
+    others = (", the others by class" if args.unknown_words == "signature"
+              and args.min_count > 1 else "")
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "files"}))
     else:
@@ -205,7 +246,7 @@ def _prepare(args: argparse.Namespace) -> int:
             print(f"  {name:5s} {counts[name]:5d} sentences, {len(ids):3d} files "
                   f"({ids[0]} … {ids[-1]})")
         print(f"  targets in the {form.name} form; word-level vocabulary {len(vocab)} tokens "
-              f"(words seen {args.min_count}+ times); "
+              f"(words seen {args.min_count}+ times{others}); "
               f"{summary['dropped_empty']} trees "
               "empty after removing -NONE- dropped")
     return 0
@@ -304,10 +345,16 @@ def _eval(args: argparse.Namespace) -> int:
             raise UserError(f"{gold_path}, line {i}: not a tree ({err})") from None
     if len(golds) != len(sentences):
         raise UserError(f"{src_path} has {len(sentences)} lines but {gold_path} {len(golds)}")
+    # SPLIT.src is what the model reads (rare words as their class); trees hold the words
+    words_of = [g.leaves() for g in golds]
+    for i, (src, words) in enumerate(zip(sentences, words_of), 1):
+        if len(src) != len(words):
+            raise UserError(f"{src_path}, line {i}: {len(src)} words, but the tree on line "
+                            f"{i} of {gold_path} has {len(words)}")
     keep = list(range(len(sentences)))
     if args.max_words:
         keep = [i for i in keep if len(sentences[i]) <= args.max_words]
-    pcfg_trees = _read_pcfg(Path(args.pcfg), sentences, args.split) if args.pcfg else None
+    pcfg_trees = _read_pcfg(Path(args.pcfg), words_of, args.split) if args.pcfg else None
     if pcfg_trees is not None:
         keep = [i for i in keep if i in pcfg_trees]
     if args.limit:
@@ -315,6 +362,7 @@ def _eval(args: argparse.Namespace) -> int:
     if not keep:
         raise UserError(f"no {args.split} sentence left to score (--max-words, --pcfg, --limit)")
     sentences, golds = [sentences[i] for i in keep], [golds[i] for i in keep]
+    words_of = [words_of[i] for i in keep]
     from aiayn.decoding import check_ensemble
 
     loaded = [load_checkpoint(c, args.device or "cpu") for c in args.checkpoint]
@@ -344,14 +392,14 @@ def _eval(args: argparse.Namespace) -> int:
                     progress=not args.no_progress and not args.json)
     decode_s = time.monotonic() - t0
     repaired, tests = 0, []
-    for words, target in zip(sentences, targets):
+    for words, target in zip(words_of, targets):
         target, matched = canonical(target, form)
         if not (matched and is_well_formed(target, len(words))):
             target = repair(target, len(words))
             repaired += 1
         tests.append(delinearize(target, words))
-    systems = {"model": tests, "right_branching": [right_branching(w) for w in sentences],
-               "flat": [flat(w) for w in sentences]}
+    systems = {"model": tests, "right_branching": [right_branching(w) for w in words_of],
+               "flat": [flat(w) for w in words_of]}
     if pcfg_trees is not None:
         systems["pcfg"] = [pcfg_trees[i] for i in keep]
     scores = {name: score_corpus(golds, trees) for name, trees in systems.items()}
@@ -360,7 +408,7 @@ def _eval(args: argparse.Namespace) -> int:
     # the check that tells a bug from too little data: gold trees through the model's
     # target form and back score 100
     round_trip = score_corpus(golds, [delinearize(canonical(linearize(g, form)[1], form)[0], w)
-                                      for g, w in zip(golds, sentences)])
+                                      for g, w in zip(golds, words_of)])
     labels = Counter(t.label() for g in golds for t in g.subtrees() if not isinstance(t[0], str))
     out = Path(args.out) if args.out else Path(args.checkpoint[0])
     if not args.out and (is_checkpoint(out) or not out.is_dir()):

@@ -108,6 +108,62 @@ def signature(word: str) -> list[str]:
     return classes
 
 
+@dataclass(frozen=True)
+class WordClasses:
+    """Which words a model keeps as themselves and what the others become (step 2): the one
+    owner of that choice for the PCFG and for the Transformer parser's input.
+
+    Attributes:
+        known: training words seen at least ``min_count`` times, kept as themselves.
+        classes: unknown-word class -> how many training tokens it replaced.
+    """
+
+    known: frozenset[str]
+    classes: Counter
+
+    @classmethod
+    def count(cls, sentences: Iterable[Iterable[str]], min_count: int) -> WordClasses:
+        """The classes of training ``sentences`` (lists of words): words seen fewer than
+        ``min_count`` times become their most specific :func:`signature` class.
+
+        Raises:
+            ValueError: ``min_count`` below 1, or a known word spelled like a class.
+        """
+        if min_count < 1:
+            raise ValueError(f"min_count must be >= 1, got {min_count}")
+        counts = Counter(w for s in sentences for w in s)
+        known = frozenset(w for w, n in counts.items() if n >= min_count)
+        classes: Counter = Counter()
+        for word, n in counts.items():
+            if word not in known:
+                classes[signature(word)[0]] += n
+        clash = sorted(w for w in known if w == NO_WORD or w in classes)
+        if clash:
+            raise ValueError(f"training words that look like unknown-word classes: {clash[:5]}")
+        return cls(known, classes)
+
+    def training_token(self, word: str) -> str:
+        """``word`` in a training sentence: itself when known, else its own class."""
+        return word if word in self.known else signature(word)[0]
+
+    def terminal(self, word: str) -> str:
+        """``word`` in any sentence: itself when known, else its most specific unknown-word
+        class seen in training, else the most frequent class.
+
+        Raises:
+            ValueError: an unknown word and no unknown-word class at all (``min_count`` 1).
+        """
+        if word in self.known:
+            return word
+        for cls in signature(word):
+            if cls in self.classes:
+                return cls
+        if not self.classes:
+            raise ValueError(f"unknown word {word!r} and no unknown-word class: count the "
+                             "classes with min_count >= 2")
+        return self.classes.most_common(1)[0][0]
+
+
 class TreebankPCFG:
     """An induced grammar with its vocabulary and unknown-word classes; made by :func:`induce`.
 
@@ -122,7 +178,7 @@ class TreebankPCFG:
         self.grammar = grammar
         self.known_words = known_words
         self.unknown_classes = unknown_classes
-        self._fallback_class = unknown_classes.most_common(1)[0][0] if unknown_classes else None
+        self._words = WordClasses(known_words, unknown_classes)
         self._phrasal: list[ProbabilisticProduction] = []
         lexical: dict[str, list[ProbabilisticProduction]] = defaultdict(list)
         for prod in grammar.productions():
@@ -142,21 +198,12 @@ class TreebankPCFG:
                 "unknown_classes": len(self.unknown_classes)}
 
     def terminal(self, word: str) -> str:
-        """The grammar's terminal for ``word``: itself when known, else its most specific
-        unknown-word class seen in training, else the most frequent class.
+        """The grammar's terminal for ``word`` (:meth:`WordClasses.terminal`).
 
         Raises:
             ValueError: an unknown word and a grammar with no unknown-word class at all.
         """
-        if word in self.known_words:
-            return word
-        for cls in signature(word):
-            if cls in self.unknown_classes:
-                return cls
-        if self._fallback_class is None:
-            raise ValueError(f"unknown word {word!r} and no unknown-word class in the grammar: "
-                             "induce it with min_word_count >= 2")
-        return self._fallback_class
+        return self._words.terminal(word)
 
     def sentence_grammar(self, terminals: Iterable[str]) -> PCFG:
         """The grammar with only the lexical rules of ``terminals``; each tag's other words
@@ -200,26 +247,17 @@ def induce(trees: Iterable[Tree], *, min_word_count: int = 2,
     trees = list(trees)
     if not trees:
         raise ValueError("no training trees")
-    counts = Counter(w for t in trees for w in t.leaves())
-    known = frozenset(w for w, n in counts.items() if n >= min_word_count)
-    classes: Counter = Counter()
+    words = WordClasses.count((t.leaves() for t in trees), min_word_count)
     productions: Counter = Counter()
     for tree in trees:
         annotated = annotate(tree)
         for pos in annotated.treepositions("leaves"):
-            word = annotated[pos]
-            if word not in known:
-                cls = signature(word)[0]
-                classes[cls] += 1
-                annotated[pos] = cls
+            annotated[pos] = words.training_token(annotated[pos])
         productions.update(annotated.productions())
-    clash = sorted(w for w in known if w == NO_WORD or w in classes)
-    if clash:
-        raise ValueError(f"training words that look like unknown-word classes: {clash[:5]}")
     kept = [p for p, n in productions.items() if n >= min_rule_count or p.is_lexical()]
     grammar = induce_pcfg(Nonterminal(ROOT),
                           [p for p in kept for _ in range(productions[p])])
-    return TreebankPCFG(grammar, known, classes)
+    return TreebankPCFG(grammar, words.known, words.classes)
 
 
 @dataclass(frozen=True)
