@@ -6,11 +6,11 @@ Run:  nice -n 19 env OMP_NUM_THREADS=1 python bench/pcfg_baseline.py --data DIR 
 The grammar is read off DIR/train.gold (written by `aiayn parse prepare --out DIR`) by
 :mod:`aiayn.parsing.pcfg`: nltk's induce_pcfg over parent-annotated trees (Johnson 1998),
 right-binarized with horizontal Markov order 1 (Klein & Manning 2003), unknown words mapped to
-word classes; each sentence of DIR/SPLIT.src with at most --max-words tokens (punctuation
-included) is parsed by nltk's ViterbiParser, tagging on its own.
+word classes; each sentence of DIR/SPLIT.gold (its words) with at most --max-words tokens
+(punctuation included) is parsed by nltk's ViterbiParser, tagging on its own.
 
 Resumable: FILE.jsonl starts with the settings, then holds one JSON line per parsed sentence
-(index in SPLIT.src, seconds, fallback, tree); a rerun skips the sentences already there, so
+(index in the split, seconds, fallback, tree); a rerun skips the sentences already there, so
 an interrupted run goes on where it stopped. At the end, or at once with --score-only, it
 prints EVALB's labelled and unlabelled precision, recall and F1 (COLLINS.prm rules, the
 `aiayn parse eval` scorer) over the sentences in the file, with the counts of sentences and
@@ -120,15 +120,13 @@ def main() -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
 
     data = Path(args.data)
-    src, gold_path, train_path = (data / f"{args.split}.src", data / f"{args.split}.gold",
-                                  data / "train.gold")
-    for path in (src, gold_path, train_path):
+    gold_path, train_path = data / f"{args.split}.gold", data / "train.gold"
+    for path in (gold_path, train_path):
         if not path.is_file():
             p.error(f"{path} is missing: run `aiayn parse prepare --out {data}` first")
-    sentences = [line.split() for line in src.read_text(encoding="utf-8").splitlines()]
     golds = read_trees(gold_path)
-    if len(golds) != len(sentences):
-        p.error(f"{src} has {len(sentences)} lines but {gold_path} {len(golds)}")
+    # the real words (SPLIT.src is the Transformer's input, with rare words as their class)
+    sentences = [g.leaves() for g in golds]
     selected = [i for i, w in enumerate(sentences) if not args.max_words
                 or len(w) <= args.max_words]
     if args.limit:
