@@ -75,7 +75,7 @@ def test_word_classes_keep_frequent_words_and_class_the_rest():
     words = pcfg.WordClasses.count(train, min_count=2)
     assert words.known == {"the", "dog"}
     assert dict(words.classes) == {"<UNK-s>": 2, "<UNK-Cap-s>": 1, "<UNK-ing>": 1}
-    assert [words.training_token(w) for w in train[1]] == ["the", "<UNK-Cap-s>", "<UNK-ing>"]
+    assert [words.terminal(w) for w in train[1]] == ["the", "<UNK-Cap-s>", "<UNK-ing>"]
     # unseen words: their most specific class seen in training, then the most frequent one
     assert words.terminal("dog") == "dog"
     assert words.terminal("Cats") == "<UNK-Cap-s>"

@@ -142,10 +142,6 @@ class WordClasses:
             raise ValueError(f"training words that look like unknown-word classes: {clash[:5]}")
         return cls(known, classes)
 
-    def training_token(self, word: str) -> str:
-        """``word`` in a training sentence: itself when known, else its own class."""
-        return word if word in self.known else signature(word)[0]
-
     def terminal(self, word: str) -> str:
         """``word`` in any sentence: itself when known, else its most specific unknown-word
         class seen in training, else the most frequent class.
@@ -252,7 +248,7 @@ def induce(trees: Iterable[Tree], *, min_word_count: int = 2,
     for tree in trees:
         annotated = annotate(tree)
         for pos in annotated.treepositions("leaves"):
-            annotated[pos] = words.training_token(annotated[pos])
+            annotated[pos] = words.terminal(annotated[pos])  # own class
         productions.update(annotated.productions())
     kept = [p for p, n in productions.items() if n >= min_rule_count or p.is_lexical()]
     grammar = induce_pcfg(Nonterminal(ROOT),
