@@ -11,13 +11,22 @@ Checks, in order:
   auto on a CPU) for 150 updates, then ``--resume`` to 300; target tokens/s, the precision chosen,
   and that the resumed run ends at the asked step.
 - ``collective``: ``torchrun`` with one process per GPU (two on a CPU): the process group
-  (NCCL on CUDA, gloo on a CPU) and an all-reduce, with its bus bandwidth.
-- ``torchrun``: ``aiayn train`` under ``torchrun``, those processes, DistributedDataParallel.
+  (NCCL on CUDA, gloo on a CPU) and an all-reduce, with its bus bandwidth. With one GPU it
+  is "not exercised": NCCL across devices needs two.
+- ``torchrun``: ``aiayn train`` under ``torchrun``, those processes, DistributedDataParallel
+  (on one GPU, "not exercised", as above).
+- ``ddp_gloo``: ``aiayn train`` under ``torchrun`` with two processes on one device through
+  gloo (``train.dist_backend=gloo``; ``cuda:0`` on a GPU): DistributedDataParallel built and
+  stepping, with any number of GPUs.
+- ``wmt_step``: ``bench/bench_wmt_step.py``: one WMT-shaped step (``base``, V = 37,000, 25k and
+  3,125 target tokens, bf16) against ``torch.nn.Transformer`` with ``F.cross_entropy``, the
+  loss's share of the step, peak memory, and the loss at other chunk sizes.
 - ``bench_train``: ``bench/bench_train.py``: aiayn against ``torch.nn.Transformer``, MFU.
 - ``bench_decode``: ``bench/bench_decode_peers.py``: beam-4 sentences/s against CTranslate2.
 - ``main_job``: ``scripts/main_job.sh`` with a 5-minute budget: Multi30k test BLEU.
 
-Each prints ``check NAME: ok  FIGURES`` or ``check NAME: FAILED (...)``, with every command's
+Each prints ``check NAME: ok  FIGURES``, ``check NAME: not exercised (WHY)`` (what this machine
+cannot show, never counted as passed) or ``check NAME: FAILED (...)``, with every command's
 output in ``--out DIR/NAME.log``; ``--json`` prints one JSON object at the end. Exit status 1
 when a check failed, 2 for bad arguments or a missing GPU.
 """
@@ -36,7 +45,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = ("train", "collective", "torchrun", "bench_train", "bench_decode", "main_job")
+CHECKS = ("train", "collective", "torchrun", "ddp_gloo", "wmt_step", "bench_train",
+          "bench_decode", "main_job")
+
+
+class NotExercised(Exception):
+    """A check this machine cannot run (NCCL across devices on one GPU): said, not passed."""
 
 
 @dataclass
@@ -69,12 +83,24 @@ class Plan:
                 "--set", "train.checkpoint_every_s=0", "--set", "train.eval_bleu_sentences=0",
                 "--set", f"train.eval_every_steps={steps}"]
 
+    @property
+    def train_device(self) -> str:
+        """The device of one training process: ``cuda:0`` on a GPU, so that processes that
+        share it under gloo all train there."""
+        return "cuda:0" if self.device == "cuda" else "cpu"
+
     def aiayn(self, *args: str) -> list[str]:
         return [self.python, "-m", "aiayn", *args]
 
-    def torchrun(self, *args: str) -> list[str]:
+    def torchrun(self, *args: str, nproc: int | None = None) -> list[str]:
         return [self.python, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={self.nproc}", *args]
+                f"--nproc_per_node={nproc or self.nproc}", *args]
+
+    def across_devices(self) -> None:
+        """Raises NotExercised where NCCL across devices cannot run: one GPU."""
+        if self.device == "cuda" and self.nproc < 2:
+            raise NotExercised("one GPU: NCCL across devices needs two; ddp_gloo runs "
+                               "DistributedDataParallel on it instead")
 
 
 def make_plan(device: str, quick: bool, python: str, out: Path, gpus: int) -> Plan:
@@ -127,6 +153,7 @@ def check_train(plan: Plan, run: Runner) -> dict[str, Any]:
 
 
 def check_collective(plan: Plan, run: Runner) -> dict[str, Any]:
+    plan.across_devices()
     got = last_json(run(plan.torchrun(str(Path(__file__).resolve()), "--collective",
                                       "--device", plan.device), 120))
     if got["sum"] != got["expected"]:
@@ -135,6 +162,7 @@ def check_collective(plan: Plan, run: Runner) -> dict[str, Any]:
 
 
 def check_torchrun(plan: Plan, run: Runner) -> dict[str, Any]:
+    plan.across_devices()
     steps = 4 if plan.quick else 100
     summary = last_json(run(plan.torchrun("-m", "aiayn", *plan.train_args(
         plan.out / "torchrun-run", steps)), 300))
@@ -142,6 +170,34 @@ def check_torchrun(plan: Plan, run: Runner) -> dict[str, Any]:
         raise RuntimeError(f"torchrun's run ended at step {summary['steps']}, not {steps}")
     return {"processes": plan.nproc, "backend": plan.backend, "steps": summary["steps"],
             "tokens_per_s": round(tokens_per_s(summary))}
+
+
+def check_ddp_gloo(plan: Plan, run: Runner) -> dict[str, Any]:
+    steps = 4 if plan.quick else 50
+    args = plan.train_args(plan.out / "ddp_gloo-run", steps)
+    args[args.index("--device") + 1] = plan.train_device
+    summary = last_json(run(plan.torchrun("-m", "aiayn", *args, "--set",
+                                          "train.dist_backend=gloo", nproc=2), 300))
+    if summary["steps"] != steps:
+        raise RuntimeError(f"the gloo run ended at step {summary['steps']}, not {steps}")
+    return {"processes": 2, "backend": "gloo", "device": plan.train_device,
+            "steps": summary["steps"], "tokens_per_s": round(tokens_per_s(summary))}
+
+
+def check_wmt_step(plan: Plan, run: Runner) -> dict[str, Any]:
+    extra = ["--quick"] if plan.quick else \
+        ["--chunk-elements", str(2**20), str(2**22), str(2**24), str(2**26)]
+    got = last_json(run([plan.python, str(ROOT / "bench" / "bench_wmt_step.py"), "--device",
+                         plan.device, "--json", *extra], 300))
+    return {str(r["tokens"]): {"speedup": r["speedup"],
+                               "aiayn_ms": r["aiayn"]["step_ms"],
+                               "torch_ms": r["torch"]["step_ms"],
+                               "aiayn_loss_share": r["aiayn"]["loss_share"],
+                               "torch_loss_share": r["torch"]["loss_share"],
+                               "aiayn_peak_gib": r["aiayn"]["peak_gib"],
+                               "torch_peak_gib": r["torch"]["peak_gib"],
+                               "loss_ms_by_chunk": r["aiayn"]["loss_ms_by_chunk_elements"]}
+            for r in got["rows"]}
 
 
 def check_bench_train(plan: Plan, run: Runner) -> dict[str, Any]:
@@ -180,7 +236,8 @@ def check_main_job(plan: Plan, run: Runner) -> dict[str, Any]:
 
 
 CHECK_FUNCTIONS = {"train": check_train, "collective": check_collective,
-                   "torchrun": check_torchrun, "bench_train": check_bench_train,
+                   "torchrun": check_torchrun, "ddp_gloo": check_ddp_gloo,
+                   "wmt_step": check_wmt_step, "bench_train": check_bench_train,
                    "bench_decode": check_bench_decode, "main_job": check_main_job}
 
 
@@ -218,7 +275,8 @@ def collective_worker(device: str) -> int:
 
 
 def run_checks(plan: Plan, names: list[str], say: Callable[[str], None]) -> dict[str, Any]:
-    """Run the checks ``names`` in order; returns {name: {"ok", "seconds", figures or error}}."""
+    """Run the checks ``names`` in order; returns {name: {"ok", "seconds", figures or error}};
+    a check this machine cannot run has ``"ok": None`` and ``"not_exercised"``, its reason."""
     plan.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for name in names:
@@ -242,6 +300,10 @@ def run_checks(plan: Plan, names: list[str], say: Callable[[str], None]) -> dict
             figures = CHECK_FUNCTIONS[name](plan, run)
             results[name] = {"ok": True, "seconds": round(time.monotonic() - t0, 1), **figures}
             say(f"check {name}: ok  {json.dumps(figures)}  ({results[name]['seconds']} s)")
+        except NotExercised as why:
+            results[name] = {"ok": None, "seconds": round(time.monotonic() - t0, 1),
+                             "not_exercised": str(why)}
+            say(f"check {name}: not exercised ({why})")
         except (RuntimeError, ValueError, KeyError, OSError,
                 subprocess.TimeoutExpired) as err:
             results[name] = {"ok": False, "seconds": round(time.monotonic() - t0, 1),
@@ -280,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_checks(plan, args.only or list(CHECKS), lambda s: print(s, flush=True))
     if args.json:
         print(json.dumps({"device": where, "quick": args.quick, "checks": results}))
-    return 0 if all(r["ok"] for r in results.values()) else 1
+    return 0 if all(r["ok"] is not False for r in results.values()) else 1
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ LR_SCHEDULE_TITLES = {"inverse_sqrt": "§5.3, eq. 3",
 LR_SCHEDULES = tuple(LR_SCHEDULE_TITLES)
 PREPROCESS_MODES = ("none", "lc-norm-tok")  # aiayn.data.text
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "bf16-weights")  # aiayn.precision
+DIST_BACKENDS = ("auto", "nccl", "gloo")  # aiayn.training.distributed.init_distributed
 # fields that runs of earlier versions wrote into config.json, replaced by train.precision
 _BEFORE_PRECISION = ("train.bf16", "train.bf16_weights")
 
@@ -224,10 +225,16 @@ class TrainConfig:
     early_stopping_patience: int = 0  # evaluations without a better BLEU before stopping; 0: off
     max_nonfinite: int = 10  # non-finite losses in a row before the run stops
     log_every_steps: int = 50
+    # under torchrun: the process group's backend ("auto": nccl on CUDA, gloo on a CPU; "gloo"
+    # also lets several processes share one GPU) and how long a collective may wait
+    dist_backend: str = "auto"
+    dist_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         _check_fields(self)
         _positive(self, "warmup_steps", "lr_scale", "adam_eps", "accum_steps", "max_steps")
+        _positive(self, "dist_timeout_s")
+        _choice(self, "dist_backend", DIST_BACKENDS)
         _positive(self, "keep_last", "eval_every_steps", "max_nonfinite", "log_every_steps")
         _non_negative(self, "clip_norm", "time_budget_s", "checkpoint_every_steps")
         _non_negative(self, "checkpoint_every_s", "eval_bleu_sentences", "weight_decay")

@@ -51,6 +51,29 @@ def test_on_cuda_the_plan_trains_in_bf16_with_one_nccl_process_per_gpu(tmp_path:
     assert cpu.train_args(tmp_path / "r", 20)[:3] == ["train", "--preset", "tiny"]
 
 
+def test_on_one_gpu_nccl_across_devices_is_said_not_exercised_and_gloo_shares_the_gpu(
+        tmp_path: Path) -> None:
+    gc = _gpu_check()
+    plan = gc.make_plan("cuda", False, "py", tmp_path, gpus=1)
+    lines: list[str] = []
+    ran: list[list[str]] = []
+
+    def run(cmd: list[str], timeout_s: float) -> str:
+        ran.append(cmd)
+        return '{"steps": 50, "target_tokens": 1000, "elapsed_s": 2.0}'
+
+    gc.CHECK_FUNCTIONS = {**gc.CHECK_FUNCTIONS, "ddp_gloo": lambda p, r: gc.check_ddp_gloo(p, run)}
+    results = gc.run_checks(plan, ["collective", "torchrun", "ddp_gloo"], lines.append)
+    assert results["collective"]["ok"] is None and "NCCL across devices" in \
+        results["collective"]["not_exercised"]
+    assert lines[0].startswith("check collective: not exercised (one GPU")
+    assert lines[1].startswith("check torchrun: not exercised")
+    assert results["ddp_gloo"]["ok"] is True and results["ddp_gloo"]["device"] == "cuda:0"
+    cmd = ran[-1]
+    assert "--nproc_per_node=2" in cmd and "train.dist_backend=gloo" in cmd
+    assert cmd[cmd.index("--device") + 1] == "cuda:0"
+
+
 def test_last_json_takes_the_summary_after_the_log_lines() -> None:
     gc = _gpu_check()
     text = 'aiayn train: 10 pairs\n{"steps": 3}\nnot json {\n{"steps": 4, "x": [1]}\n'
@@ -96,11 +119,13 @@ def test_every_check_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
     lines = done.stdout.strip().splitlines()
     assert done.returncode == 0, done.stdout + done.stderr
     checks = json.loads(lines[-1])["checks"]
-    assert list(checks) == ["train", "collective", "torchrun", "bench_train", "bench_decode",
-                            "main_job"]
+    assert list(checks) == ["train", "collective", "torchrun", "ddp_gloo", "wmt_step",
+                            "bench_train", "bench_decode", "main_job"]
     assert all(c["ok"] for c in checks.values())
     assert [line.split(":")[0] for line in lines if line.startswith("check ")] == \
         [f"check {name}" for name in checks]
     assert checks["train"]["steps"] == 20 and checks["torchrun"]["steps"] == 4
     assert checks["collective"]["world_size"] == 2
+    assert checks["ddp_gloo"]["steps"] == 4 and checks["ddp_gloo"]["backend"] == "gloo"
+    assert checks["wmt_step"]["600"]["aiayn_ms"] > 0
     assert checks["main_job"]["train_steps"] > 0

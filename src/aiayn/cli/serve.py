@@ -14,7 +14,7 @@ HELP = ("Serve a checkpoint over HTTP: POST /translate (batched), POST /attentio
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from aiayn.serve.app import ServeLimits
+    from aiayn.serve.limits import ServeLimits
 
     d = ServeLimits()
     p.add_argument("--checkpoint", required=True, nargs="+", metavar="PATH",

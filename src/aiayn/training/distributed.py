@@ -6,6 +6,7 @@ function here is a no-op or a local computation."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from aiayn.errors import UserError
 from aiayn.precision import Precision
 
 
@@ -34,15 +36,48 @@ class DistInfo:
                    int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def init_distributed(device: torch.device) -> DistInfo:
-    """Join the process group torchrun describes (gloo on CPU, nccl on CUDA); the one place
-    that does (:func:`aiayn.training.run.run_training` calls it before anything else). A no-op
-    for a single process or when already joined."""
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The process group's backend for ``backend`` ("auto", "nccl" or "gloo") on ``device``:
+    "auto" is NCCL on CUDA and gloo on a CPU.
+
+    Raises:
+        UserError: NCCL asked for on a CPU.
+    """
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("train.dist_backend = 'nccl' needs CUDA devices; on a CPU use 'gloo' "
+                        "(or 'auto')")
+    return backend
+
+
+def init_distributed(device: torch.device, backend: str = "auto",
+                     timeout_s: float = 1800.0) -> DistInfo:
+    """Join the process group torchrun describes; the one place that does
+    (:func:`aiayn.training.run.run_training` calls it before anything else). A no-op for a
+    single process or when already joined.
+
+    Args:
+        device: this process's training device.
+        backend: ``train.dist_backend``: "auto" (NCCL on CUDA, gloo on a CPU), "nccl" or
+            "gloo" (gloo also lets several processes share one GPU, which NCCL refuses).
+        timeout_s: ``train.dist_timeout_s``, how long a collective waits before the run fails.
+
+    Raises:
+        UserError: NCCL with more processes on this machine than GPUs, or on a CPU.
+    """
     info = DistInfo.from_env()
     if info.world_size > 1 and not dist.is_initialized():
+        chosen = resolve_backend(backend, device)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if chosen == "nccl" and local > torch.cuda.device_count():
+            raise UserError(f"{local} processes on this machine but {torch.cuda.device_count()} "
+                            "GPU(s): NCCL needs a GPU for each process; start fewer "
+                            "(--nproc-per-node) or share the GPUs through gloo with --set "
+                            "train.dist_backend=gloo")
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL and object collectives use the current device
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=timeout_s))
     return info
 
 

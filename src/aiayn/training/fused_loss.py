@@ -68,7 +68,8 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
         grad = _workspace(n * vocab, x.dtype, x.device)[: n * vocab].view(n, vocab) \
             if _wants_grad(ctx, bias) else None
         w_t = weight.t()
-        scratch = torch.empty(min(n, _chunk_rows(vocab)), vocab, dtype=x.dtype, device=x.device)
+        rows = min(n, _chunk_rows(vocab, x.device))
+        scratch = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
         with torch.autocast(x.device.type, enabled=False):
             nll_sum, smooth_sum = _chunked_loss(
                 n, vocab, lambda lo, hi: _project(x, w_t, bias, lo, hi, scratch[: hi - lo]),
@@ -282,7 +283,7 @@ class _ProjectedRDrop(torch.autograd.Function):
         grad = _workspace(2 * n * vocab, x.dtype, x.device)[: 2 * n * vocab].view(2 * n, vocab) \
             if _wants_grad(ctx, bias) else None
         w_t = weight.t()
-        rows = max(1, min(n, _chunk_rows(vocab) // 2))
+        rows = max(1, min(n, _chunk_rows(vocab, x.device) // 2))
         nll_sum = torch.zeros((), dtype=acc, device=x.device)
         smooth_sum, kl_sum = torch.zeros_like(nll_sum), torch.zeros_like(nll_sum)
         with torch.autocast(x.device.type, enabled=False):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from aiayn.checkpoint import list_checkpoints, recover_run_dir
-from aiayn.config import Config, read_json_object
+from aiayn.config import Config, TrainConfig, read_json_object
 from aiayn.data.batching import encode_corpus
 from aiayn.data.corpus import ParallelCorpus, load_dataset, load_parallel
 from aiayn.data.text import preprocess_corpus
@@ -186,6 +186,21 @@ def _check_trainable(train: Any, corpus: ParallelCorpus, data: Any) -> None:
                         f"data.max_len (now {data.max_len})")
 
 
+def _dist_settings(config: Config | None, run_dir: Path, resume: bool,
+                   overrides: list[str] | None) -> TrainConfig:
+    """The training settings that say how to join the process group, before it is joined: on
+    ``resume`` the run's saved config with ``overrides`` (when it can be read; the resume's own
+    checks report a missing or damaged one), else ``config``'s."""
+    saved = run_dir / "config.json"
+    if resume and saved.is_file():
+        try:
+            cfg = Config.from_dict(read_json_object(saved), source=str(saved))
+            return (cfg.with_overrides(overrides) if overrides else cfg).train
+        except UserError:
+            pass
+    return config.train if config is not None else TrainConfig()
+
+
 def run_training(
     config: Config | None,
     run_dir: str | Path,
@@ -222,7 +237,8 @@ def run_training(
     dev = choose_device(device, info.local_rank)
     check_output_dir(run_dir, "--run-dir")
     prepare_training_process(dev)
-    init_distributed(dev)  # the one place a process group is joined
+    tc = _dist_settings(config, run_dir, resume, overrides)
+    init_distributed(dev, tc.dist_backend, tc.dist_timeout_s)  # the one place a group is joined
     if info.is_main and run_dir.is_dir():
         for line in recover_run_dir(run_dir):
             log(f"aiayn train: {line}")
