@@ -123,15 +123,15 @@ def time_aiayn(config, vocab, enc, steps: int, passes: int,
         torch.manual_seed(0)
         prepare_training_process(device)  # as a training process does (aiayn train)
         trainer = Trainer(config, tmp, vocab, enc, device=device, progress=False)
-        used = trainer.batches_of_epoch(0)[:steps]
+        used = trainer.stream.batches_of_epoch(0)[:steps]
         for _ in range(passes):
             for _ in range(steps):
-                trainer.train_step()
+                trainer.learner.update(trainer.next_batches())
             trainer.state.batch_in_epoch = 0  # the same batches again
         _sync(device)
         tokens, t0 = 0.0, time.perf_counter()
         for _ in range(steps):
-            tokens += trainer.train_step()["tokens"]
+            tokens += trainer.learner.update(trainer.next_batches())["tokens"]
         _sync(device)
         return tokens / (time.perf_counter() - t0), used
 
