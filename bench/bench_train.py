@@ -8,7 +8,7 @@ For each preset, on the same Multi30k en-de batches (shared BPE 8000, length-sor
 same ``--steps`` batches ``--warmup`` times untimed (the first pass builds each shape's oneDNN
 kernels, as a run's first epoch does, so that no contender inherits another's), then once timed:
 
-- ``aiayn``: :class:`aiayn.training.loop.Trainer`'s own ``train_step`` (collate, forward,
+- ``aiayn``: :meth:`aiayn.training.update.Learner.update` on the stream's batches (collate, forward,
   label-smoothed loss, backward, gradient norm, Adam, the learning-rate schedule), fp32, bf16
   autocast, bf16 with ``train.bf16_weights`` (a bf16 compute copy of the weights, float32
   masters in Adam), and that with ``model.output_vocab = "target"`` as well (the output layer
