@@ -99,3 +99,23 @@ def test_steal_percent_is_the_stolen_share_of_the_interval() -> None:
     assert steal_percent((100, 1000), (400, 2000)) == pytest.approx(30.0)
     assert steal_percent((100, 1000), (100, 1000)) == 0.0  # under a tick: nothing counted
     assert steal_percent(None, (1, 2)) is None and steal_percent((1, 2), None) is None
+
+
+def test_the_clock_counts_training_time_only() -> None:
+    """What runs while the clock is paused (validation, checkpoints) is not training time,
+    and neither is an exception's way out of the pause."""
+    from aiayn.training.loop import Clock
+
+    now = [100.0]
+    clock = Clock(lambda: now[0])
+    now[0] = 103.0
+    assert clock.tick() == 3.0
+    with clock.paused():
+        now[0] = 150.0  # a validation
+    now[0] = 152.5
+    assert clock.tick() == 2.5
+    with pytest.raises(OSError), clock.paused():
+        now[0] = 160.0
+        raise OSError("a full disk while saving")
+    now[0] = 161.0
+    assert clock.tick() == 1.0
