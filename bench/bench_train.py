@@ -8,7 +8,7 @@ For each preset, on the same Multi30k en-de batches (shared BPE 8000, length-sor
 same ``--steps`` batches ``--warmup`` times untimed (the first pass builds each shape's oneDNN
 kernels, as a run's first epoch does, so that no contender inherits another's), then once timed:
 
-- ``aiayn``: :class:`aiayn.training.loop.Trainer`'s own ``train_step`` (collate, forward,
+- ``aiayn``: :meth:`aiayn.training.update.Learner.update` on the stream's batches (collate, forward,
   label-smoothed loss, backward, gradient norm, Adam, the learning-rate schedule), fp32, bf16
   autocast, bf16 with ``train.bf16_weights`` (a bf16 compute copy of the weights, float32
   masters in Adam), and that with ``model.output_vocab = "target"`` as well (the output layer
@@ -123,15 +123,15 @@ def time_aiayn(config, vocab, enc, steps: int, passes: int,
         torch.manual_seed(0)
         prepare_training_process(device)  # as a training process does (aiayn train)
         trainer = Trainer(config, tmp, vocab, enc, device=device, progress=False)
-        used = trainer.batches_of_epoch(0)[:steps]
+        used = trainer.stream.batches_of_epoch(0)[:steps]
         for _ in range(passes):
             for _ in range(steps):
-                trainer.train_step()
+                trainer.learner.update(trainer.next_batches())
             trainer.state.batch_in_epoch = 0  # the same batches again
         _sync(device)
         tokens, t0 = 0.0, time.perf_counter()
         for _ in range(steps):
-            tokens += trainer.train_step()["tokens"]
+            tokens += trainer.learner.update(trainer.next_batches())["tokens"]
         _sync(device)
         return tokens / (time.perf_counter() - t0), used
 

@@ -40,7 +40,7 @@ from aiayn.config import load_config  # noqa: E402
 from aiayn.data.vocab import BOS_ID, PAD_ID  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.training import loss as loss_module  # noqa: E402
-from aiayn.training.fused_loss import projected_label_smoothed_loss  # noqa: E402
+from aiayn.training.loss import projected_label_smoothed_loss  # noqa: E402
 from bench_train import TorchTransformer  # noqa: E402
 
 EPSILON_LS = 0.1

@@ -65,3 +65,22 @@ def sinusoid(pos: int, j: int, d_model: int) -> float:
     two_i = j - (j % 2)
     angle = pos / 10000 ** (two_i / d_model)
     return math.sin(angle) if j % 2 == 0 else math.cos(angle)
+
+
+def label_smoothed_loss(logits: Tensor, target: Tensor, epsilon_ls: float,
+                        pad_id: int) -> tuple[Tensor, Tensor, int]:
+    """§5.4 label smoothing, in float64: the cross-entropy of the model's distribution with
+    q = (1 - epsilon_ls) one_hot(gold) + epsilon_ls / V, summed over the non-pad targets.
+
+    Args:
+        logits: (..., V); target: (...) gold ids, ``pad_id`` where nothing is predicted.
+
+    Returns:
+        (loss_sum, nll_sum, n_tokens), float64 scalars.
+    """
+    keep = target != pad_id
+    logp = torch.log_softmax(logits[keep].double(), dim=-1)  # (n, V)
+    q = torch.full_like(logp, epsilon_ls / logp.shape[-1])
+    q[torch.arange(len(q)), target[keep]] += 1.0 - epsilon_ls
+    nll = -logp.gather(1, target[keep][:, None]).sum()
+    return -(q * logp).sum(), nll, int(keep.sum())

@@ -215,7 +215,7 @@ class TrainConfig:
     late_dropout_start: float = 0.0
     # > 0: R-Drop (Liang et al. 2021, not in the paper): each batch goes through the model twice
     # with different dropout masks, and the loss adds this weight times the two output
-    # distributions' symmetric KL divergence (aiayn.training.fused_loss.rdrop_loss)
+    # distributions' symmetric KL divergence (aiayn.training.loss.rdrop_loss)
     rdrop_alpha: float = 0.0
     # with rdrop_alpha > 0: R-Drop waits until this fraction of the budget (as the lr schedule
     # measures it) is spent; before it, each batch runs once, as without R-Drop

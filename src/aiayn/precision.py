@@ -5,7 +5,7 @@
 - ``fp32``: float32 everywhere (the reference);
 - ``bf16``: ``torch.autocast(dtype=bfloat16)``: matrix products in bf16, float32 weights;
 - ``bf16-weights`` (training only): forward and backward on a bf16 copy of the weights, Adam on
-  the float32 masters (``aiayn.training.loop``);
+  the float32 masters (``aiayn.training.mixed``);
 - ``int8`` (decoding only, on a CPU): an int8 copy of the model
   (:func:`aiayn.model.quantize.quantize_int8`: int8 weights, per-row int8 activations);
 - ``auto``: a reduced precision only where it is faster here. On CUDA that is bf16 on a

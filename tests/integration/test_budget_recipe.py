@@ -141,20 +141,20 @@ def test_bf16_weights_train_a_bf16_copy_of_float32_masters(tmp_path: Path) -> No
     pure = _trainer(tmp_path / "a", precision="bf16-weights", **kw)
     torch.manual_seed(0)
     autocast = _trainer(tmp_path / "b", precision="bf16", **kw)
-    assert autocast.compute_model is autocast.model
+    assert autocast.learner.compute_model is autocast.model
     losses = {"pure": [], "autocast": []}
     for step in range(1, 31):
         for name, t in (("pure", pure), ("autocast", autocast)):
-            fig = t.train_step()
+            fig = t.learner.update(t.next_batches())
             losses[name].append(fig["loss"])
-            assert fig["lr"] == scheduled_lr(t.tc, 64, step, 0.0)
-    for master, work in zip(pure.model.parameters(), pure.compute_model.parameters()):
+            assert fig["lr"] == scheduled_lr(t.learner.tc, 64, step, 0.0)
+    for master, work in zip(pure.model.parameters(), pure.learner.compute_model.parameters()):
         assert master.dtype == torch.float32 and work.dtype == torch.bfloat16
         assert torch.equal(work, master.detach().to(torch.bfloat16))
-    assert pure.optimizer.param_groups[0]["params"][0] is next(pure.model.parameters())
+    assert pure.learner.optimizer.param_groups[0]["params"][0] is next(pure.model.parameters())
     assert losses["pure"][-1] < 0.7 * losses["pure"][0]
     assert losses["pure"][-1] == pytest.approx(losses["autocast"][-1], rel=0.05)
-    path = pure.save()
+    path = pure.checkpointer.save(pure.learner)
     from safetensors.torch import load_file
 
     assert all(t.dtype == torch.float32 for t in load_file(str(path / "model.safetensors"))

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from damage import swap_two_tokens  # tests/ is on sys.path
+import reference as ref_loss  # tests/ is on sys.path
+from damage import swap_two_tokens
 from safetensors.torch import load_file
 
 from aiayn.checkpoint import (list_checkpoints, load_checkpoint, load_training_state,
@@ -30,11 +31,11 @@ from aiayn.devices import ONEDNN_CACHE_CAPACITY
 from aiayn.errors import DataError, UserError
 from aiayn.model import Transformer
 from aiayn.training.average import average_checkpoints
-from aiayn.training.fused_loss import projected_label_smoothed_loss, rdrop_loss
-from aiayn.training.loss import label_smoothed_loss
-from aiayn.training.loop import StopTraining, build_optimizer
+from aiayn.training.loss import label_smoothed_loss, projected_label_smoothed_loss, rdrop_loss
+from aiayn.training.loop import StopTraining
 from aiayn.training.run import run_training
 from aiayn.training.schedule import learning_rate
+from aiayn.training.update import build_optimizer
 
 LETTERS = "abcdefghijklmnop"
 
@@ -108,6 +109,9 @@ def test_label_smoothed_loss_matches_torch(eps: float) -> None:
     assert n == int((target != 0).sum()) == 9
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     assert float(nll) == pytest.approx(float(ref_nll), rel=1e-5)
+    plain, plain_nll, plain_n = ref_loss.label_smoothed_loss(logits, target, eps, pad_id=0)
+    assert plain_n == n and loss.item() == pytest.approx(plain.item(), rel=1e-10)
+    assert float(nll) == pytest.approx(float(plain_nll), rel=1e-10)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -571,14 +575,14 @@ def test_ema_is_the_moving_average_of_every_update(tmp_path: Path) -> None:
     cfg = cfg.replace(model=replace(cfg.model, vocab_size=len(vocab)))
     trainer = Trainer(cfg, tmp_path / "run", vocab, encode_corpus(vocab, corpus, 32),
                       progress=False)
-    assert trainer.save_ema() is None  # nothing averaged yet: no ema/
+    assert trainer.checkpointer.save_ema(trainer.learner) is None  # nothing averaged yet: no ema/
     expected: dict[str, torch.Tensor] = {}
     for _ in range(8):  # the first update is copied, then ema = 0.9 ema + 0.1 weights
-        trainer.train_step()
+        trainer.learner.update(trainer.next_batches())
         weights = {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()}
         expected = {n: 0.9 * expected[n] + 0.1 * w if expected else w
                     for n, w in weights.items()}
-    path = trainer.save_ema()
+    path = trainer.checkpointer.save_ema(trainer.learner)
     assert path == tmp_path / "run" / "ema"
     assert json.loads((path / "meta.json").read_text())["ema_updates"] == 8
     model, _, _ = load_checkpoint(path)
@@ -907,7 +911,7 @@ def test_rdrop_stacks_the_batch_row_for_row(tmp_path: Path) -> None:
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
     from aiayn.training.run import load_split
-    from aiayn.training.step import batch_loss
+    from aiayn.training.update import batch_loss
 
     cfg = task_config(tmp_path, rdrop_alpha=5.0)
     corpus = load_split(cfg.data, "train")
@@ -920,7 +924,7 @@ def test_rdrop_stacks_the_batch_row_for_row(tmp_path: Path) -> None:
     assert model.draws_dropout
     model.set_dropout_active(False)
     assert not model.draws_dropout
-    batch = trainer.next_batch()
+    batch = trainer.next_batches()[0]
     keep = batch.tgt_out != vocab.pad_id
 
     def run(stacked: bool) -> tuple[float, float, int, list[torch.Tensor]]:

@@ -14,8 +14,9 @@ from aiayn.data.batching import encode_corpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import cpu_times, steal_percent
 from aiayn.model import Transformer
-from aiayn.training.loop import Trainer, build_model
-from aiayn.training.parts import MetricsSink, Window
+from aiayn.training.loop import Trainer
+from aiayn.training.metrics import MetricsSink, Window
+from aiayn.training.update import build_model
 from aiayn.training.run import load_split
 
 
@@ -47,7 +48,7 @@ def test_injected_model_optimizer_and_sink_are_used(tmp_path: Path) -> None:
                       encode_corpus(vocab, valid, 32), progress=False, model=model,
                       optimizer=optimizer, metrics=sink)
     summary = trainer.fit()
-    assert trainer.model is model and trainer.optimizer is optimizer
+    assert trainer.model is model and trainer.learner.optimizer is optimizer
     assert summary["steps"] == 4
     assert [r["step"] for r in sink.records if r["kind"] == "train"] == [1, 2, 3, 4]
     assert [r["step"] for r in sink.records if r["kind"] == "valid"] == [2, 4]
@@ -87,7 +88,7 @@ def test_a_window_shorter_than_a_clock_tick_still_reports_steal(
     # a fast step logged every update can end before /proc/stat counts one tick (CI did):
     # the same reading at both ends of the window
     frozen = cpu_times()
-    monkeypatch.setattr("aiayn.training.parts.cpu_times", lambda: frozen)
+    monkeypatch.setattr("aiayn.training.metrics.cpu_times", lambda: frozen)
     window = Window()
     window.add({"tokens": 10.0, "loss": 2.0, "nll": 1.5})
     record = window.record(step=1, epoch=1, lr=1e-3, elapsed_s=0.0, nonfinite_total=0)
@@ -98,3 +99,23 @@ def test_steal_percent_is_the_stolen_share_of_the_interval() -> None:
     assert steal_percent((100, 1000), (400, 2000)) == pytest.approx(30.0)
     assert steal_percent((100, 1000), (100, 1000)) == 0.0  # under a tick: nothing counted
     assert steal_percent(None, (1, 2)) is None and steal_percent((1, 2), None) is None
+
+
+def test_the_clock_counts_training_time_only() -> None:
+    """What runs while the clock is paused (validation, checkpoints) is not training time,
+    and neither is an exception's way out of the pause."""
+    from aiayn.training.loop import Clock
+
+    now = [100.0]
+    clock = Clock(lambda: now[0])
+    now[0] = 103.0
+    assert clock.tick() == 3.0
+    with clock.paused():
+        now[0] = 150.0  # a validation
+    now[0] = 152.5
+    assert clock.tick() == 2.5
+    with pytest.raises(OSError), clock.paused():
+        now[0] = 160.0
+        raise OSError("a full disk while saving")
+    now[0] = 161.0
+    assert clock.tick() == 1.0

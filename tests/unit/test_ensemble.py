@@ -145,8 +145,20 @@ def test_bad_ensembles_are_refused(members, vocab):
         Translator([members[0], other], vocab, precision="fp32").generate(LINES)
     with pytest.raises(ValueError, match="at least one step"):
         EnsembleStep([])
-    for model in members:
-        assert not model.training  # left as they came
+
+
+def test_an_ensemble_decode_leaves_each_member_in_the_mode_it_came_in(members, vocab):
+    # decoding runs in eval mode (no dropout) and puts each member back as it came: members in
+    # training mode must come back in training mode
+    modes = [True, False, True]
+    try:
+        for model, mode in zip(members, modes):
+            model.train(mode)
+        Translator(members, vocab, precision="fp32").generate(LINES, beam_size=2, max_len_b=4)
+        assert [m.training for m in members] == modes
+    finally:
+        for model in members:  # the module's fixture: eval mode, as tiny_model made it
+            model.eval()
 
 
 @pytest.mark.parametrize("int8_loss, chosen", [(0.0, "int8"), (0.2, "int8"), (0.3, "fp32")])

@@ -426,7 +426,7 @@ class Transformer(nn.Module):
         """Let the output layer produce only ``token_ids``: every other token's logit bias
         becomes -inf, so it takes no probability mass when decoding, and the training loss
         leaves its row of the output projection out of the soft-max altogether
-        (:func:`aiayn.training.fused_loss.projected_label_smoothed_loss`). Not in the paper.
+        (:func:`aiayn.training.loss.projected_label_smoothed_loss`). Not in the paper.
 
         Args:
             token_ids: (k,) int ids in [0, V_tgt), e.g. those seen on the target side of the
@@ -522,7 +522,7 @@ class Transformer(nn.Module):
                 the non-pad targets, so padding never reaches the V-wide output layer).
             project: False stops before the pre-softmax linear map and returns its input,
                 (B, T, d_model) or (n, d_model), for a loss that applies the map itself
-                (:func:`aiayn.training.fused_loss.projected_label_smoothed_loss`).
+                (:func:`aiayn.training.loss.projected_label_smoothed_loss`).
 
         Returns:
             logits (B, T, V_tgt), or (n, V_tgt) for the n True positions of ``output_mask``.

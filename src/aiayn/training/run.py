@@ -287,9 +287,8 @@ def run_training(
     _check_trainable(train, train_corpus, config.data)
     valid_enc = encode_corpus(vocab, valid_corpus, config.data.max_len) if valid_corpus else None
     trainer = Trainer(config, run_dir, vocab, train, valid_corpus, valid_enc, dev,
-                      progress=progress, train_text=train_corpus, model=start_model)
-    if resume_from is not None:
-        trainer.resume(resume_from)
+                      progress=progress, train_text=train_corpus, model=start_model,
+                      resume_from=resume_from)
     if info.is_main:  # validated and restored: only now is anything written
         run_dir.mkdir(parents=True, exist_ok=True)
         vocab.save(run_dir)
@@ -337,5 +336,5 @@ def run_training(
         return trainer.fit()
     finally:
         if dist.is_initialized():
-            trainer.release_process_group()
+            trainer.learner.release_process_group()
             dist.destroy_process_group()

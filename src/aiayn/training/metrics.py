@@ -1,5 +1,6 @@
-"""The small pieces the training loop is made of, each usable and testable alone: the metrics
-sink, the progress bar, the checkpointer and validation."""
+"""What a run reports while it trains: ``RUN/metrics.jsonl`` and TensorBoard
+(:class:`MetricsSink`), the token-weighted figures of a log line (:class:`Window`) and the
+progress bar (:class:`Progress`)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,9 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-from torch import nn
-
-from aiayn.checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint
-from aiayn.config import Config
-from aiayn.data.batching import EncodedCorpus, collate, make_batches
-from aiayn.data.corpus import ParallelCorpus
-from aiayn.data.vocab import Vocabulary
 from aiayn.devices import cpu_times, steal_percent
-
-if TYPE_CHECKING:
-    from aiayn.training.step import BatchLoss
 
 
 class MetricsSink:
@@ -143,93 +133,3 @@ class Window:
         if steal is not None:  # the machine's share of the slowdown, where Linux reports it
             record["cpu_steal_pct"] = round(steal, 1)
         return record
-
-
-def weights_finite(model: nn.Module) -> bool:
-    """Whether every parameter is finite (one fused norm)."""
-    norm = nn.utils.get_total_norm([p.detach() for p in model.parameters()])
-    return bool(torch.isfinite(norm))
-
-
-class Checkpointer:
-    """Writes ``RUN/checkpoints/step-N`` (with training state), ``RUN/best`` and ``RUN/ema``
-    atomically (:func:`aiayn.checkpoint.save_checkpoint`) and keeps the last ``keep_last``
-    steps.
-
-    It writes what it is given: the Trainer checks :func:`weights_finite` first, because with
-    several processes that decision must come before the RNG states are gathered, and a
-    non-finite model must not become ``best/`` either."""
-
-    def __init__(self, run_dir: str | Path, config: Config, vocab: Vocabulary,
-                 keep_last: int) -> None:
-        self.run_dir = Path(run_dir)
-        self.config = config
-        self.vocab = vocab
-        self.keep_last = keep_last
-
-    def save_step(self, model: nn.Module, meta: dict[str, Any],
-                  training_state: dict[str, Any]) -> Path:
-        """Write ``checkpoints/step-{meta['step']:08d}`` with ``training_state`` (optimizer, step
-        and data position, every process's RNG) and prune older steps; returns its path.
-
-        Raises:
-            OSError: the write failed (full disk, permissions); earlier checkpoints stay.
-        """
-        path = self.run_dir / "checkpoints" / f"step-{meta['step']:08d}"
-        save_checkpoint(path, model, self.config, self.vocab, meta, training_state)
-        prune_checkpoints(self.run_dir, self.keep_last)
-        return path
-
-    def save_named(self, name: str, model: nn.Module, meta: dict[str, Any]) -> Path:
-        """Replace ``RUN/<name>``, weights only (no training state): ``best`` (the best
-        validation BLEU so far) or ``ema`` (the moving average of the weights); returns its
-        path.
-
-        Raises:
-            OSError: the write failed (full disk, permissions); the earlier one stays.
-        """
-        return save_checkpoint(self.run_dir / name, model, self.config, self.vocab, meta)
-
-    def newest(self) -> Path | None:
-        """The newest complete ``checkpoints/step-N``, or None when there is none."""
-        found = list_checkpoints(self.run_dir)
-        return found[-1] if found else None
-
-
-
-
-@torch.no_grad()
-def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
-                       vocab: Vocabulary, valid: ParallelCorpus | None,
-                       valid_encoded: EncodedCorpus | None,
-                       device: torch.device, *, bf16: bool = False) -> dict[str, float]:
-    """Validation loss and perplexity (per target subword) and greedy BLEU (sacreBLEU, cased,
-    detokenized; with ``data.preprocess = "lc-norm-tok"`` the Multi30k protocol's BLEU of the
-    already tokenized text) on the first ``train.eval_bleu_sentences`` pairs, decoded under bf16
-    autocast when ``bf16`` (the run's resolved precision). Leaves ``model`` in eval mode."""
-    model.eval()
-    out: dict[str, float] = {}
-    if valid_encoded is not None and len(valid_encoded):
-        loss_sum = nll_sum = n = 0.0
-        order = make_batches(valid_encoded.src_lengths(), valid_encoded.tgt_lengths(),
-                             config.data.max_tokens, shuffle=False)
-        for idx in order:
-            batch = collate(valid_encoded, idx, start_id=config.model.decoder_start_id)
-            loss, nll, k = batch_loss(model, batch.to(device))
-            loss_sum, nll_sum, n = loss_sum + float(loss), nll_sum + float(nll), n + k
-        out["valid_loss"] = loss_sum / n
-        out["valid_nll"] = nll_sum / n
-        out["valid_ppl"] = math.exp(min(nll_sum / n, 50.0))
-    k = config.train.eval_bleu_sentences
-    if valid is not None and k > 0:
-        from aiayn.evaluation.bleu import chrf_score, corpus_bleu
-        from aiayn.translator import Translator
-
-        translator = Translator(model, vocab, config=config,
-                                precision="bf16" if bf16 else "fp32")
-        # greedy; the corpus is the model's text already (data.preprocess applied on loading)
-        hyps = translator.translate(valid.src[:k], beam_size=1, preprocessed=True)
-        refs = valid.tgt[:k]
-        out["valid_bleu"] = corpus_bleu(hyps, refs, config.data)["bleu"]
-        out["valid_chrf"] = chrf_score(hyps, refs)[0]
-    return out
