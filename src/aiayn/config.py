@@ -29,6 +29,7 @@ LR_SCHEDULE_TITLES = {"inverse_sqrt": "§5.3, eq. 3",
 LR_SCHEDULES = tuple(LR_SCHEDULE_TITLES)
 PREPROCESS_MODES = ("none", "lc-norm-tok")  # aiayn.data.text
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "bf16-weights")  # aiayn.precision
+DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # aiayn.precision
 # fields that runs of earlier versions wrote into config.json, replaced by train.precision
 _BEFORE_PRECISION = ("train.bf16", "train.bf16_weights")
 

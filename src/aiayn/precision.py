@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiayn.config import TRAIN_PRECISIONS
+from aiayn.config import DECODE_PRECISIONS, TRAIN_PRECISIONS
 from aiayn.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
     from aiayn.config import ModelConfig
 
-DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")
 # bf16 must beat fp32 by this factor to be chosen: its casts, and LayerNorm and softmax around
 # the products, cost time the product probe does not see, and bf16 rounds more
 BF16_MIN_SPEEDUP = 1.25

@@ -29,11 +29,11 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from aiayn.errors import ConfigError, DataError
+from aiayn.rundir import TOKENIZER as VOCAB_FILE
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
-VOCAB_FILE = "tokenizer.json"
 
 
 class Vocabulary:

@@ -43,6 +43,7 @@ from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.precision import Precision, choose_precision, resumed_precision
+from aiayn.rundir import BEST, EMA, RunDir
 from aiayn.training import step as update
 from aiayn.training.distributed import (
     DistInfo,
@@ -379,7 +380,7 @@ class Trainer:
         meta = {"step": self.state.step, "epoch": self.state.epoch, "reason": reason,
                 "ema_decay": self.tc.ema_decay, "ema_updates": int(self.ema.n_averaged),
                 "time": time.time()}
-        return self.checkpointer.save_named("ema", averaged, meta)
+        return self.checkpointer.save_named(EMA, averaged, meta)
 
     def validate(self) -> dict[str, float]:
         """Validation figures of the current weights (see :func:`validation_figures`)."""
@@ -474,7 +475,7 @@ class Trainer:
         if steal is not None:  # over the fit's wall time (validation included)
             summary["cpu_steal_pct"] = round(steal, 1)
         if self.dist.is_main:
-            write_json_atomic(self.run_dir / "train_summary.json", summary)
+            write_json_atomic(RunDir(self.run_dir).train_summary, summary)
         return summary
 
     def _tick(self) -> None:
@@ -551,7 +552,7 @@ class Trainer:
                 s.best_metric = metric
                 s.evals_since_best = 0
                 meta = {"step": s.step, **{k: round(v, 4) for k, v in figures.items()}}
-                self.checkpointer.save_named("best", self.model, meta)
+                self.checkpointer.save_named(BEST, self.model, meta)
             else:
                 s.evals_since_best += 1
             self.metrics.log({"kind": "valid", "step": s.step,

@@ -19,6 +19,7 @@ from aiayn.data.batching import EncodedCorpus, collate, make_batches
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import cpu_times, steal_percent
+from aiayn.rundir import RunDir
 
 if TYPE_CHECKING:
     from aiayn.training.step import BatchLoss
@@ -30,7 +31,7 @@ class MetricsSink:
 
     def __init__(self, run_dir: str | Path, enabled: bool = True) -> None:
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = RunDir(self.run_dir).metrics
         self.enabled = enabled
         self.writer = None
 
@@ -40,7 +41,7 @@ class MetricsSink:
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(self.run_dir / "tb"))
+        self.writer = SummaryWriter(str(RunDir(self.run_dir).tensorboard))
 
     def log(self, record: dict[str, Any]) -> None:
         """Append ``record`` (with ``kind`` and ``step``) and add its numbers as scalars."""
@@ -175,7 +176,7 @@ class Checkpointer:
         Raises:
             OSError: the write failed (full disk, permissions); earlier checkpoints stay.
         """
-        path = self.run_dir / "checkpoints" / f"step-{meta['step']:08d}"
+        path = RunDir(self.run_dir).step(meta["step"])
         save_checkpoint(path, model, self.config, self.vocab, meta, training_state)
         prune_checkpoints(self.run_dir, self.keep_last)
         return path

@@ -19,6 +19,7 @@ from aiayn.data.vocab import Vocabulary
 from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
 from aiayn.errors import ConfigError, UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
+from aiayn.rundir import RunDir
 from aiayn.training.loop import DistInfo, Trainer, init_distributed
 
 
@@ -233,10 +234,10 @@ def run_training(
     if resume:
         found = list_checkpoints(run_dir)
         if not found:
-            raise UserError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+            raise UserError(f"--resume: no checkpoint in {RunDir(run_dir).checkpoints}")
         resume_from = found[-1]
-        saved = Config.from_dict(read_json_object(run_dir / "config.json"),
-                                 source=str(run_dir / "config.json"))
+        saved = Config.from_dict(read_json_object(RunDir(run_dir).config),
+                                 source=str(RunDir(run_dir).config))
         config = saved.with_overrides(overrides) if overrides else saved  # e.g. more steps
         check_resume_overrides(saved, config, run_dir)
         vocab = Vocabulary.load(run_dir)
@@ -277,7 +278,7 @@ def run_training(
     if info.is_main:  # validated and restored: only now is anything written
         run_dir.mkdir(parents=True, exist_ok=True)
         vocab.save(run_dir)
-        write_json_atomic(run_dir / "config.json", config.to_dict())
+        write_json_atomic(RunDir(run_dir).config, config.to_dict())
         log(f"aiayn train: {len(train)} training pairs ({train.filtered} over "
             f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
@@ -293,7 +294,7 @@ def run_training(
                 "segmentation)")
         if config.train.ema_decay > 0:
             log(f"aiayn train: a moving average of the weights (decay {config.train.ema_decay}) "
-                f"goes to {run_dir / 'ema'} when training ends")
+                f"goes to {RunDir(run_dir).ema} when training ends")
         if config.train.late_dropout_start > 0:
             log(f"aiayn train: late dropout: no dropout until "
                 f"{config.train.late_dropout_start:.0%} of the budget is spent, then P_drop "
