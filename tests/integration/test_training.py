@@ -563,7 +563,7 @@ def test_ema_is_the_moving_average_of_every_update(tmp_path: Path) -> None:
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     cfg = task_config(tmp_path, ema_decay=0.9)
     corpus = load_split(cfg.data, "train")
@@ -634,7 +634,7 @@ def test_nonfinite_losses_stop_the_run_with_a_checkpoint(tmp_path: Path) -> None
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     cfg = task_config(tmp_path, max_steps=50, max_nonfinite=3)
     corpus = load_split(cfg.data, "train")
@@ -748,7 +748,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path,
     from aiayn.checkpoint import load_training_state
     from aiayn.data.batching import encode_corpus, make_batches
     from aiayn.data.vocab import Vocabulary
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     cfg = task_config(tmp_path, max_steps=4, checkpoint_every_steps=2, lr_scale=1.0,
                       precision="bf16-weights" if bf16_weights else "fp32")
@@ -906,7 +906,7 @@ def test_rdrop_stacks_the_batch_row_for_row(tmp_path: Path) -> None:
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
     from aiayn.training.step import batch_loss
 
     cfg = task_config(tmp_path, rdrop_alpha=5.0)

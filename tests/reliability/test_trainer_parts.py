@@ -16,7 +16,7 @@ from aiayn.devices import cpu_times, steal_percent
 from aiayn.model import Transformer
 from aiayn.training.loop import Trainer, build_model
 from aiayn.training.parts import MetricsSink, Window
-from aiayn.training.run import load_split
+from aiayn.data.splits import load_split
 
 
 class MemorySink(MetricsSink):

@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
                                          train_members)
     from aiayn.precision import may_reduce_decoding_precision
-    from aiayn.training.run import load_raw_split, load_split, run_training
+    from aiayn.data.splits import load_raw_split, load_split
+    from aiayn.training.run import run_training
 
     def say(msg: str) -> None:
         if not args.json:

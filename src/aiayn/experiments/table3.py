@@ -148,7 +148,7 @@ def prepare_table3(base: Config, out_dir: str | Path,
     """``out_dir/vocab``: the one vocabulary every row shares, learned from the base preset's
     training data unless it is there already. Returns its folder."""
     from aiayn.data.vocab import Vocabulary
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     vocab_dir = Path(out_dir) / "vocab"
     if not (vocab_dir / TOKENIZER).is_file():
@@ -213,7 +213,7 @@ def run_table3(
         parameters, seed).
     """
     from aiayn.checkpoint import list_checkpoints, write_json_atomic
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     out_dir = Path(out_dir)
     (out_dir / "rows").mkdir(parents=True, exist_ok=True)

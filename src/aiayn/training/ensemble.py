@@ -150,7 +150,7 @@ def train_members(
     from aiayn.config import load_config
     from aiayn.data.vocab import Vocabulary
     from aiayn.fileio import write_json_atomic
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     if n < 2:
         raise UserError(f"an ensemble needs at least 2 members, got {n}")

@@ -204,9 +204,9 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
                        vocab: Vocabulary, valid: ParallelCorpus | None,
                        valid_encoded: EncodedCorpus | None,
                        device: torch.device, *, bf16: bool = False) -> dict[str, float]:
-    """Validation loss and perplexity (per target subword) and greedy BLEU (sacreBLEU, cased,
-    detokenized; with ``data.preprocess = "lc-norm-tok"`` the Multi30k protocol's BLEU of the
-    already tokenized text) on the first ``train.eval_bleu_sentences`` pairs, decoded under bf16
+    """Validation loss and perplexity (per target subword) and greedy BLEU (the run's protocol,
+    :func:`aiayn.evaluation.bleu.bleu_protocol`) on the first ``train.eval_bleu_sentences``
+    pairs, decoded under bf16
     autocast when ``bf16`` (the run's resolved precision). Leaves ``model`` in eval mode."""
     model.eval()
     out: dict[str, float] = {}
