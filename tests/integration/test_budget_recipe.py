@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_training import quiet, task_config  # tests/integration is on sys.path
+from test_training import task_config  # tests/integration is on sys.path
 
 from aiayn.cli import main
 from aiayn.config import DataConfig, TrainConfig, load_config
 from aiayn.data.batching import encode_corpus
+from aiayn.data.splits import load_split
 from aiayn.data.vocab import Vocabulary
 from aiayn.training.loop import Trainer
 from aiayn.training.loss import label_smoothed_loss
-from aiayn.data.splits import load_split
 from aiayn.training.schedule import learning_rate, peak_learning_rate, scheduled_lr
 
 # --- schedules ---------------------------------------------------------------------------------

@@ -15,12 +15,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from interop_fixtures import make_marian, read_corpus
+from interop_fixtures import make_marian, read_corpus  # noqa: E402
 
-from aiayn.cli import main
-from aiayn.data.batching import pad_sources
-from aiayn.translator import Translator
-from aiayn.interop.marian import import_hf
+from aiayn.cli import main  # noqa: E402
+from aiayn.data.batching import pad_sources  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
+from aiayn.interop.marian import import_hf  # noqa: E402
 
 MAX_LENGTH = 40  # generate's max_length: the start token + at most 38 tokens + EOS
 
