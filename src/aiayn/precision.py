@@ -272,7 +272,7 @@ def default_decoding_precision(recorded: str | None = None,
     """The decoding precision a model gets when none is asked for (``aiayn translate``,
     ``evaluate``, ``serve``, ``Translator``, Table 3): the one a finished run recorded after
     its fidelity check (``generation_config.json``: int8 where it kept val BLEU within 0.2 of
-    fp32, :func:`aiayn.cli.pipeline.check_reduced_precision`), else ``fp32``. A model nobody
+    fp32, :func:`aiayn.selection.check_reduced_precision`), else ``fp32``. A model nobody
     checked (a checkpoint, an import, a run trained in fp32) decodes in fp32: a reduced
     precision changes outputs (bf16 is not even batch-invariant on a CPU), so it is chosen only
     with evidence or when asked for (``auto``, ``bf16``, ``int8``). A recorded int8 is a CPU

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
                                          train_members)
     from aiayn.precision import may_reduce_decoding_precision
-    from aiayn.rundir import GENERATION_CONFIG, RunDir
+    from aiayn.rundir import GENERATION_CONFIG, RESULTS, RunDir
     from aiayn.selection import (candidates, check_reduced_precision, choose_on_valid,
                                  described, record_choice, write_results)
     from aiayn.viz.curves import plot_run
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
               f"val nll {m.get('valid_nll', float('nan')):.3f}")
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps"
           + (" (all members)" if members else "") + "; "
-          f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, "
+          f"decoding {decode_s:.0f} s; run directory {run_dir} ({RESULTS}, "
           f"{png.name}, {hyp_path.name}, {GENERATION_CONFIG})")
     print(f"  the run loads as this model: aiayn translate --checkpoint {run_dir}, "
           f"aiayn serve --checkpoint {run_dir}, Translator.from_pretrained({str(run_dir)!r})")

@@ -136,7 +136,7 @@ def import_hf(directory: str | Path):
     directory = Path(directory)
     hf = _read_json(directory / CONFIG)
     if hf.get("model_type") != "marian":
-        raise UserError(f"{directory / 'config.json'}: model_type is {hf.get('model_type')!r}, "
+        raise UserError(f"{directory / CONFIG}: model_type is {hf.get('model_type')!r}, "
                         "only 'marian' (MarianMTModel, OPUS-MT) is supported")
     tok_cfg_path = directory / "tokenizer_config.json"
     tok_cfg = _read_json(tok_cfg_path) if tok_cfg_path.is_file() else {}
@@ -146,11 +146,11 @@ def import_hf(directory: str | Path):
               "normalize_before": False, "add_final_layer_norm": False}
     for key, want in checks.items():
         if key in hf and hf[key] != want:
-            raise UserError(f"{directory / 'config.json'}: {key}={hf[key]!r} is not supported "
+            raise UserError(f"{directory / CONFIG}: {key}={hf[key]!r} is not supported "
                             f"(aiayn needs {want!r})")
     activation = ACTIVATIONS.get(hf.get("activation_function", "swish"))
     if activation is None:
-        raise UserError(f"{directory / 'config.json'}: activation_function="
+        raise UserError(f"{directory / CONFIG}: activation_function="
                         f"{hf.get('activation_function')!r} is not supported (swish or relu)")
     separate = bool(tok_cfg.get("separate_vocabs", False))
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
@@ -164,7 +164,7 @@ def import_hf(directory: str | Path):
     if unk_piece not in src_vocab or unk_piece not in tgt_vocab:
         raise UserError(f"{directory / 'vocab.json'}: no {unk_piece!r} piece")
     if hf.get("decoder_start_token_id", pad) != pad:
-        raise UserError(f"{directory / 'config.json'}: decoder_start_token_id="
+        raise UserError(f"{directory / CONFIG}: decoder_start_token_id="
                         f"{hf['decoder_start_token_id']} is not the pad id {pad}; only Marian's "
                         "pad start is supported")
     src_perm = _permutation(src_vocab, pad, eos, src_vocab[unk_piece], V_src)
