@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from damage import swap_two_tokens  # tests/ is on sys.path
 from safetensors.torch import load_file
 
-from aiayn.checkpoint import (list_checkpoints, load_checkpoint, load_training_state,
-                              resolve_checkpoint)
+from aiayn.checkpoint import list_checkpoints, load_checkpoint, load_training_state
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
 from aiayn.translator import Translator
 from aiayn.devices import ONEDNN_CACHE_CAPACITY
 from aiayn.errors import DataError, UserError
 from aiayn.model import Transformer
+from aiayn.rundir import model_paths
 from aiayn.training.average import average_checkpoints
 from aiayn.training.fused_loss import projected_label_smoothed_loss, rdrop_loss
 from aiayn.training.loss import label_smoothed_loss
@@ -689,6 +689,7 @@ from aiayn.checkpoint import save_checkpoint
 from aiayn.config import Config, ModelConfig
 from aiayn.data.vocab import Vocabulary
 from aiayn.model import Transformer
+from aiayn.rundir import model_paths
 cfg = Config(model=ModelConfig(N=1, d_model=256, d_ff=1024, h=4, d_k=64, d_v=64,
                                vocab_size=2000))
 vocab = Vocabulary.learn([f"w{i} x{i * 7} y{i * 13}" for i in range(3000)], 2000)
@@ -722,7 +723,7 @@ def test_a_killed_checkpoint_write_is_never_loaded(tmp_path: Path) -> None:
         for path in found:
             model, cfg, vocab = load_checkpoint(path)
             assert len(vocab) == cfg.model.vocab_size
-        assert resolve_checkpoint(run_dir) == found[-1]
+        assert model_paths(run_dir)[0] == [found[-1]]  # what the unfinished run loads as
     leftovers = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert all(p not in list_checkpoints(run_dir) for p in leftovers)
 

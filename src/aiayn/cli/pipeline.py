@@ -80,20 +80,20 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from aiayn.config import load_config
+    from aiayn.data.splits import load_raw_split, load_split
     from aiayn.devices import choose_device
-    from aiayn.fileio import write_atomic
     from aiayn.evaluation.bleu import (chrf_score, corpus_bleu, multi30k_tok_bleu,
                                        multi30k_tokenize, sacrebleu_scores)
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
-    from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
-                                         train_members)
+    from aiayn.fileio import write_atomic
     from aiayn.precision import may_reduce_decoding_precision
     from aiayn.rundir import GENERATION_CONFIG, RESULTS, RunDir
     from aiayn.selection import (candidates, check_reduced_precision, choose_on_valid,
                                  described, record_choice, write_results)
-    from aiayn.viz.curves import plot_run
-    from aiayn.data.splits import load_raw_split, load_split
+    from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
+                                         train_members)
     from aiayn.training.run import run_training
+    from aiayn.viz.curves import plot_run
 
     def say(msg: str) -> None:
         if not args.json:
