@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -367,7 +368,10 @@ def _eval(args: argparse.Namespace) -> int:
     words_of = [words_of[i] for i in keep]
     from aiayn.decoding import check_ensemble
 
-    folders = [f for c in args.checkpoint for f in model_paths(c, say=print)[0]]
+    def say(msg: str) -> None:
+        print(f"aiayn parse eval: {msg}", file=sys.stderr)
+
+    folders = [f for c in args.checkpoint for f in model_paths(c, say=say)[0]]
     loaded = [load_checkpoint(f, args.device or "cpu") for f in folders]
     model, config, vocab = loaded[0]
     for path, (_, _, other) in zip(folders[1:], loaded[1:]):
