@@ -424,7 +424,8 @@ def _eval(args: argparse.Namespace) -> int:
     _write_lines(out / f"{args.split}.parsed", [to_line(t) for t in tests])
     results = {
         "split": args.split, "sentences": len(sentences), "target_form": form.name,
-        "checkpoints": [str(c) for c in folders],
+        "checkpoints": [str(c) for c in args.checkpoint],
+        "model_folders": [str(f) for f in folders],  # what they load as (model_paths)
         "beam_size": beam, "alpha": alpha,
         "max_len": f"input + {config.decode.max_len_b}", "constrained": not args.no_constraints,
         "repaired": repaired, "decode_wall_s": round(decode_s, 1),
