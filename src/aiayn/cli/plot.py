@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from aiayn.rundir import CURVES
+
 HELP = "Plot loss, perplexity, validation BLEU and learning rate against steps (PNG)."
 
 
@@ -12,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a run directory of `aiayn train`, or of `aiayn pipeline --ensemble N` "
                         "(one figure, each member's curves drawn over each other)")
     p.add_argument("-o", "--output", default=None, metavar="PNG",
-                   help="image to write (default: RUN_DIR/curves.png)")
+                   help=f"image to write (default: RUN_DIR/{CURVES})")
 
 
 def run(args: argparse.Namespace) -> int:

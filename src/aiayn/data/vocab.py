@@ -189,7 +189,7 @@ class Vocabulary:
         if len(self) != vocab_size:
             raise DataError(f"{where}: the vocabulary has {len(self)} tokens but the model "
                             f"expects vocab_size={vocab_size}; use the vocabulary the model was "
-                            "trained with (the checkpoint's own tokenizer.json)")
+                            f"trained with (the checkpoint's own {VOCAB_FILE})")
         if fingerprint is not None and fingerprint != self.fingerprint:
             raise DataError(f"{where}: the vocabulary (fingerprint {self.fingerprint[:12]}) is "
                             f"not the one the model was trained with ({fingerprint[:12]}), "

@@ -19,7 +19,7 @@ from aiayn.data.vocab import Vocabulary
 from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
 from aiayn.errors import UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
-from aiayn.rundir import RunDir
+from aiayn.rundir import METRICS, RunDir
 from aiayn.training.loop import DistInfo, Trainer, init_distributed
 
 
@@ -282,7 +282,7 @@ def run_training(
                     if config.train.decoupled_weight_decay else "an L2 term in Adam's gradient")
             log(f"aiayn train: weight decay {config.train.weight_decay}, {kind}")
         if resume_from is not None:
-            dropped = (f"; {trainer.metrics_dropped} metrics.jsonl line(s) of the steps after "
+            dropped = (f"; {trainer.metrics_dropped} {METRICS} line(s) of the steps after "
                        "it dropped, as they are trained again" if trainer.metrics_dropped else "")
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step}){dropped}")
     try:
