@@ -97,8 +97,8 @@ _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|new|old|del)-[^.]+$")
 def recover_run_dir(run_dir: str | Path) -> list[str]:
     """Undo what kills can leave in a run directory (call before training starts).
 
-    A checkpoint (``best``, ``averaged``, ``ema``, ``step-N``) missing under its name but complete under
-    ``.NAME.new-*`` (preferred) or ``.NAME.old-*`` is renamed back. Then unfinished writes
+    A checkpoint (``best``, ``averaged``, ``ema``, ``step-N``) missing under its name but
+    complete under ``.NAME.new-*`` (preferred) or ``.NAME.old-*`` is renamed back. Then unfinished writes
     (``.NAME.tmp-*``), leftovers of swaps and prunes, and ``checkpoints/step-N`` folders that
     are not complete training checkpoints are deleted: all of them are names this module
     creates. Returns what was done, one line each.
@@ -163,8 +163,9 @@ def load_checkpoint(
     directory, :func:`aiayn.rundir.model_paths` says which folders are its model).
 
     Raises:
-        UserError: ``path`` is not a checkpoint folder; the vocabulary is not the one the model was trained with (size, or the
-            fingerprint in ``meta.json``), or the weights do not fit the config.
+        UserError: ``path`` is not a checkpoint folder; the vocabulary is not the one the
+            model was trained with (size, or the fingerprint in ``meta.json``), or the
+            weights do not fit the config.
     """
     path = Path(path)
     if not is_checkpoint(path):

@@ -26,7 +26,7 @@ A run directory ``RUN`` (:class:`RunDir`) of ``aiayn train``::
     RUN/averaged/              the last K step checkpoints averaged (§6.1)       AVERAGED
     RUN/generation_config.json what decodes as the run's model (chosen on val)   GENERATION_CONFIG
     RUN/results.json           the pipeline's results                            RESULTS
-    RUN/test.hyp.LANG          its test-set output                               :meth:`RunDir.test_output`
+    RUN/test.hyp.LANG          its test-set output (:meth:`RunDir.test_output`)
     RUN/curves.png             the training curves                               CURVES
 
 An ensemble's run directory holds ``RUN/ensemble.json`` (``{"members": N}``, ENSEMBLE), the
@@ -52,7 +52,8 @@ from aiayn.fileio import write_json_atomic
 
 __all__ = ["WEIGHTS", "CONFIG", "TOKENIZER", "META", "TRAINING_STATE", "CHECKPOINTS", "AVERAGED",
            "BEST", "EMA", "TRAIN_SUMMARY", "METRICS", "TENSORBOARD", "GENERATION_CONFIG",
-           "GENERATION_FORMAT", "RESULTS", "CURVES", "ENSEMBLE", "NoModelError", "RunDir", "is_checkpoint",
+           "GENERATION_FORMAT", "RESULTS", "CURVES", "ENSEMBLE", "NoModelError", "RunDir",
+           "is_checkpoint",
            "list_checkpoints", "model_paths", "read_generation_config",
            "write_generation_config"]
 
