@@ -36,7 +36,6 @@ fp32. On a shared machine, compare ratios within one run only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import os

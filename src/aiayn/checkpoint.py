@@ -1,13 +1,6 @@
-"""Model checkpoints: a directory with everything needed to translate.
-
-::
-
-    CKPT/model.safetensors    weights (safetensors; tied matrices stored once)
-    CKPT/config.json          the full resolved Config of the run
-    CKPT/tokenizer.json       the shared subword vocabulary
-    CKPT/meta.json            step, time, metrics, the vocabulary's fingerprint
-    CKPT/training_state.pt    optimizer, schedule, RNGs, data position (training checkpoints only;
-                              tensors and plain containers, loaded with weights_only=True)
+"""Model checkpoints: a folder with everything needed to translate (its files are named in
+:mod:`aiayn.rundir`: weights, config, vocabulary, meta and, for step checkpoints, the training
+state, loaded with ``weights_only=True``).
 
 A checkpoint is written into ``.CKPT.tmp-*`` and renamed into place, so a killed write never
 leaves a partial directory under the final name. Replacing an existing checkpoint (``best/``,
@@ -34,21 +27,19 @@ from safetensors import safe_open
 from safetensors.torch import load_model as _st_load_model
 from safetensors.torch import save_model as _st_save_model
 
-from aiayn.config import Config
+from aiayn.config import Config, read_json_object
 from aiayn.data.vocab import Vocabulary
 from aiayn.errors import UserError
 from aiayn.fileio import fsync_dir, write_json_atomic
 from aiayn.model import Transformer
+from aiayn.rundir import (CONFIG, META, TOKENIZER, WEIGHTS, RunDir, is_checkpoint,
+                          list_checkpoints, step_number)
+from aiayn.rundir import TRAINING_STATE as STATE
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_weights", "resolve_checkpoint",
+__all__ = ["save_checkpoint", "load_checkpoint", "load_weights", "is_checkpoint",
            "list_checkpoints",
            "prune_checkpoints", "recover_run_dir", "read_meta", "load_training_state",
            "weights_fingerprint", "write_json_atomic"]
-
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
-META = "meta.json"
-STATE = "training_state.pt"
 
 
 def save_checkpoint(
@@ -106,15 +97,16 @@ _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|new|old|del)-[^.]+$")
 def recover_run_dir(run_dir: str | Path) -> list[str]:
     """Undo what kills can leave in a run directory (call before training starts).
 
-    A checkpoint (``best``, ``averaged``, ``step-N``) missing under its name but complete under
-    ``.NAME.new-*`` (preferred) or ``.NAME.old-*`` is renamed back. Then unfinished writes
+    A checkpoint (``best``, ``averaged``, ``ema``, ``step-N``) missing under its name but
+    complete under ``.NAME.new-*`` (preferred) or ``.NAME.old-*`` is renamed back. Then unfinished writes
     (``.NAME.tmp-*``), leftovers of swaps and prunes, and ``checkpoints/step-N`` folders that
     are not complete training checkpoints are deleted: all of them are names this module
     creates. Returns what was done, one line each.
     """
     done: list[str] = []
     run_dir = Path(run_dir)
-    for folder in (run_dir, run_dir / "checkpoints"):
+    ckpts = RunDir(run_dir).checkpoints
+    for folder in (run_dir, ckpts):
         if not folder.is_dir():
             continue
         hidden = sorted(p for p in folder.iterdir() if _HIDDEN.match(p.name))
@@ -130,11 +122,9 @@ def recover_run_dir(run_dir: str | Path) -> list[str]:
             if p.exists():
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
                 done.append(f"removed {p}")
-    ckpts = run_dir / "checkpoints"
     if ckpts.is_dir():
         for p in ckpts.iterdir():
-            if re.fullmatch(r"step-\d+", p.name) and not (is_checkpoint(p)
-                                                          and (p / STATE).is_file()):
+            if step_number(p) is not None and not (is_checkpoint(p) and (p / STATE).is_file()):
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink()
                 done.append(f"removed the incomplete {p}")
     if done:
@@ -166,55 +156,21 @@ def weights_fingerprint(path: str | Path) -> str | None:
         raise UserError(f"{path}: not a readable safetensors file ({err})") from None
 
 
-def is_checkpoint(path: Path) -> bool:
-    return all((path / f).is_file() for f in (WEIGHTS, CONFIG, "tokenizer.json"))
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (then its ``averaged``, else ``best``, else
-    newest checkpoint), or a ``model.safetensors`` file inside a checkpoint.
-
-    Raises:
-        FileNotFoundError: nothing usable there (the message says what was looked for).
-    """
-    path = Path(path)
-    if path.is_file() and path.name == WEIGHTS:
-        path = path.parent
-    if path.is_dir() and is_checkpoint(path):
-        return path
-    if path.is_dir():
-        for name in ("averaged", "best"):
-            if is_checkpoint(path / name):
-                return path / name
-        found = list_checkpoints(path)
-        if found:
-            return found[-1]
-    raise FileNotFoundError(
-        f"no checkpoint at {path}: expected a directory with {WEIGHTS}, {CONFIG} and "
-        "tokenizer.json, or a run directory holding checkpoints/")
-
-
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete step checkpoints of a run, oldest first (``checkpoints/step-000123``)."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.name.startswith("step-") and is_checkpoint(p)]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
 def load_checkpoint(
     path: str | Path, device: str | torch.device = "cpu"
 ) -> tuple[Transformer, Config, Vocabulary]:
-    """Load model (in eval mode), config and vocabulary from a checkpoint or run directory.
+    """Load model (in eval mode), config and vocabulary from a checkpoint folder (for a run
+    directory, :func:`aiayn.rundir.model_paths` says which folders are its model).
 
     Raises:
-        FileNotFoundError: see :func:`resolve_checkpoint`.
-        UserError: the vocabulary is not the one the model was trained with (size, or the
-            fingerprint in ``meta.json``), or the weights do not fit the config.
+        UserError: ``path`` is not a checkpoint folder; the vocabulary is not the one the
+            model was trained with (size, or the fingerprint in ``meta.json``), or the
+            weights do not fit the config.
     """
-    path = resolve_checkpoint(path)
-    from aiayn.config import read_json_object
+    path = Path(path)
+    if not is_checkpoint(path):
+        raise UserError(f"{path}: not a checkpoint folder (expected {WEIGHTS}, {CONFIG} and "
+                        f"{TOKENIZER}); a run directory's model: aiayn.rundir.model_paths")
 
     config = Config.from_dict(read_json_object(path / CONFIG), source=str(path / CONFIG))
     vocab = Vocabulary.load(path)

@@ -27,9 +27,13 @@ LR_SCHEDULE_TITLES = {"inverse_sqrt": "§5.3, eq. 3",
                       "linear": "linear decay to zero at the budget",
                       "cosine": "cosine decay to zero at the budget"}
 LR_SCHEDULES = tuple(LR_SCHEDULE_TITLES)
-PREPROCESS_MODES = ("none", "lc-norm-tok")  # aiayn.data.text
+# the kinds of text a model reads (aiayn.data.text, which names them for the package): stated
+# here, below it, because DataConfig checks data.preprocess against them
+RAW_TEXT, PROTOCOL_TEXT = "none", "lc-norm-tok"
+PREPROCESS_MODES = (RAW_TEXT, PROTOCOL_TEXT)
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "bf16-weights")  # aiayn.precision
 DIST_BACKENDS = ("auto", "nccl", "gloo")  # aiayn.training.distributed.init_distributed
+DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # aiayn.precision
 # fields that runs of earlier versions wrote into config.json, replaced by train.precision
 _BEFORE_PRECISION = ("train.bf16", "train.bf16_weights")
 

@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from aiayn.config import TRAIN_PRECISIONS
+from aiayn.config import DECODE_PRECISIONS, TRAIN_PRECISIONS
 from aiayn.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,7 +36,6 @@ if TYPE_CHECKING:
 
     from aiayn.config import ModelConfig
 
-DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")
 # bf16 must beat fp32 by this factor to be chosen: its casts, and LayerNorm and softmax around
 # the products, cost time the product probe does not see, and bf16 rounds more
 BF16_MIN_SPEEDUP = 1.25
@@ -273,7 +272,7 @@ def default_decoding_precision(recorded: str | None = None,
     """The decoding precision a model gets when none is asked for (``aiayn translate``,
     ``evaluate``, ``serve``, ``Translator``, Table 3): the one a finished run recorded after
     its fidelity check (``generation_config.json``: int8 where it kept val BLEU within 0.2 of
-    fp32, :func:`aiayn.cli.pipeline.check_reduced_precision`), else ``fp32``. A model nobody
+    fp32, :func:`aiayn.selection.check_reduced_precision`), else ``fp32``. A model nobody
     checked (a checkpoint, an import, a run trained in fp32) decodes in fp32: a reduced
     precision changes outputs (bf16 is not even batch-invariant on a CPU), so it is chosen only
     with evidence or when asked for (``auto``, ``bf16``, ``int8``). A recorded int8 is a CPU

@@ -10,7 +10,8 @@ command that turns raw text into translations goes through it: ``aiayn translate
 - a checkpoint directory (``model.safetensors``, ``config.json``, ``tokenizer.json``), or the
   ``model.safetensors`` file in one;
 - a finished run directory: the members, averaging and length penalty that the pipeline chose
-  on the validation set, recorded in ``RUN/generation_config.json`` (:data:`GENERATION_CONFIG`);
+  on the validation set, recorded in its generation record
+  (:data:`aiayn.rundir.GENERATION_CONFIG`);
 - a run directory without that record (a run of ``aiayn train``, or one still training): its
   averaged, best or newest checkpoint (an ensemble's: each member's), and says which;
 - a list of any of these: an ensemble, whose next-token probabilities are averaged;
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,212 +37,14 @@ from typing import Any
 import torch
 
 from aiayn.config import Config, DecodeConfig
-from aiayn.errors import ConfigError, UserError
+from aiayn.errors import ConfigError
+from aiayn.pretrained import Pretrained, load_pretrained
 
-__all__ = ["GENERATION_CONFIG", "Pretrained", "Translator", "load_pretrained",
-           "read_generation_config", "write_generation_config"]
+__all__ = ["Pretrained", "Translator", "load_pretrained"]  # the loader: aiayn.pretrained
 
-GENERATION_CONFIG = "generation_config.json"
-"""The file in a run directory that makes it a model: which checkpoints decode together and
-with which search settings, as chosen on the validation set (after Hugging Face's
-``generation_config.json``)."""
-
-GENERATION_FORMAT = "aiayn-generation/1"
 _DECODE_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
 
 logger = logging.getLogger("aiayn")
-
-
-def write_generation_config(run_dir: str | Path, members: Sequence[str | Path],
-                            decode: DecodeConfig, **chosen: Any) -> Path:
-    """Record in ``run_dir`` what decodes as its model (atomically).
-
-    Args:
-        members: checkpoint directories inside ``run_dir`` (or relative to it).
-        decode: the search settings chosen (beam size, alpha, lengths, rules).
-        chosen: more to record, e.g. ``precision`` (the decoding precision, "fp32" for output
-            that does not depend on how sentences are batched), ``weights`` (the averaging
-            width or "ema"), ``valid_bleu`` and its ``protocol``.
-
-    Returns:
-        The file written, ``run_dir / GENERATION_CONFIG``.
-
-    Raises:
-        ValueError: a member outside ``run_dir``.
-    """
-    from aiayn.fileio import write_json_atomic
-
-    run_dir = Path(run_dir)
-    names = []
-    for m in members:
-        m = Path(m)
-        try:  # a path inside run_dir (as given, or relative to it)
-            names.append(str((m if m.exists() else run_dir / m).resolve()
-                             .relative_to(run_dir.resolve())))
-        except ValueError:
-            raise ValueError(f"{m} is not inside {run_dir}: a run directory's model is made "
-                             "of its own checkpoints") from None
-    data = {"format": GENERATION_FORMAT, "members": names, "decode": dataclasses.asdict(decode),
-            **chosen}
-    path = run_dir / GENERATION_CONFIG
-    write_json_atomic(path, data)
-    return path
-
-
-def read_generation_config(run_dir: str | Path) -> dict[str, Any] | None:
-    """``run_dir``'s :data:`GENERATION_CONFIG`, checked (None when there is none).
-
-    Raises:
-        UserError: the file is not such a record, or names a member that is not a checkpoint.
-    """
-    from aiayn.checkpoint import is_checkpoint
-    from aiayn.config import read_json_object
-
-    path = Path(run_dir) / GENERATION_CONFIG
-    if not path.is_file():
-        return None
-    data = read_json_object(path)
-    if data.get("format") != GENERATION_FORMAT:
-        raise UserError(f"{path}: not an aiayn generation record (format "
-                        f"{data.get('format')!r}, want {GENERATION_FORMAT!r})")
-    members = data.get("members")
-    if not isinstance(members, list) or not members or \
-            not all(isinstance(m, str) for m in members):
-        raise UserError(f"{path}: 'members' must be a non-empty list of checkpoint folders")
-    for m in members:
-        if not is_checkpoint(Path(run_dir) / m):
-            raise UserError(f"{path}: member {m!r} is not a checkpoint in {run_dir}")
-    decode = data.get("decode", {})
-    unknown = sorted(set(decode) - set(_DECODE_FIELDS)) if isinstance(decode, dict) else None
-    if unknown is None or unknown:
-        raise UserError(f"{path}: 'decode' must be an object of {', '.join(_DECODE_FIELDS)}"
-                        + (f"; unknown: {', '.join(unknown)}" if unknown else ""))
-    try:
-        data["decode"] = DecodeConfig(**decode)
-    except (TypeError, ValueError) as err:
-        raise UserError(f"{path}: {err}") from None
-    from aiayn.precision import DECODE_PRECISIONS
-
-    if data.get("precision", "fp32") not in DECODE_PRECISIONS:
-        raise UserError(f"{path}: precision {data['precision']!r} is not one of "
-                        f"{', '.join(DECODE_PRECISIONS)}")
-    return data
-
-
-def _is_marian(path: Path) -> bool:
-    if not (path / "config.json").is_file() or (path / "tokenizer.json").is_file():
-        return False
-    try:
-        return json.loads((path / "config.json").read_text("utf-8")).get("model_type") == "marian"
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        return False
-
-
-def _resolve(path: Path, say: Callable[[str], None]) -> tuple[list[Path | str], dict]:
-    """What ``path`` decodes as: (checkpoint folders, or ``"marian:DIR"``; the generation
-    record or {}).
-
-    Raises:
-        UserError: nothing loadable there.
-    """
-    from aiayn.checkpoint import WEIGHTS, is_checkpoint, list_checkpoints
-    from aiayn.training.ensemble import member_dirs, members_found
-
-    if path.is_file() and path.name == WEIGHTS:
-        path = path.parent
-    if not path.exists():
-        raise UserError(f"{path}: no such file or directory (expected a checkpoint, a run "
-                        "directory or a Hugging Face Marian directory)")
-    if is_checkpoint(path):
-        return [path], {}
-    if path.is_dir() and _is_marian(path):
-        return [f"marian:{path}"], {}
-    record = read_generation_config(path) if path.is_dir() else None
-    if record is not None:
-        return [path / m for m in record["members"]], record
-    n = members_found(path) if path.is_dir() else 0
-    runs = member_dirs(path, n) if n else [path]
-    found: list[Path | str] = []
-    for run in runs:
-        done = (run / "train_summary.json").is_file()
-        named = [run / name for name in ("averaged", "best") if is_checkpoint(run / name)]
-        steps = list_checkpoints(run)
-        if done and named:
-            found.append(named[0])
-        elif steps:
-            found.append(steps[-1])
-            say(f"{run}: " + ("training has not finished" if not done else
-                              "no averaged or best checkpoint") +
-                f"; loading its newest checkpoint, {steps[-1].name}")
-        elif named:
-            found.append(named[0])
-        else:
-            raise UserError(
-                f"{path}: not a checkpoint, a run directory or a Hugging Face Marian directory "
-                f"(expected model.safetensors, config.json and tokenizer.json, or a run's "
-                f"checkpoints/ folder, or a Marian config.json with source.spm)")
-    if n:
-        say(f"{path}: no {GENERATION_CONFIG} (the pipeline writes it when it has chosen on "
-            f"the validation set); decoding its {n} members as found, with their config's "
-            "search settings")
-    return found, {}
-
-
-@dataclasses.dataclass
-class Pretrained:
-    """What :func:`load_pretrained` found: the models (eval mode, on the device), the first
-    one's config, the shared vocabulary, where each came from, and the run's generation record
-    ({} without one)."""
-
-    models: list
-    config: Config
-    vocab: Any
-    sources: list[str]
-    record: dict
-
-
-def load_pretrained(path: str | Path | Sequence[str | Path], device: torch.device,
-                    warn: Callable[[str], None]) -> Pretrained:
-    """Load what :meth:`Translator.from_pretrained` takes (see the module's docstring) onto
-    ``device``; ``warn`` receives what loading has to say. Also the loader of
-    ``aiayn train --init-from``.
-
-    Raises:
-        UserError: a path that is none of these (naming it and what was expected); ensemble
-            members with different vocabularies or kinds of text (naming them); weights that
-            do not fit their config.
-    """
-    from aiayn.checkpoint import load_checkpoint
-
-    paths = [path] if isinstance(path, (str, Path)) else list(path)
-    if not paths:
-        raise UserError("no model path given")
-    found: list[Path | str] = []
-    record: dict = {}
-    for p in paths:
-        members, rec = _resolve(Path(p), warn)
-        found += members
-        record = record or rec
-    loaded = []
-    for f in found:
-        if isinstance(f, str) and f.startswith("marian:"):
-            from aiayn.interop.marian import import_hf
-
-            model, config, vocab = import_hf(f.removeprefix("marian:"))
-            loaded.append((model.to(device), config, vocab))
-        else:
-            loaded.append(load_checkpoint(f, device=device))
-    _, config, vocab = loaded[0]
-    for f, (_, other, other_vocab) in zip(found[1:], loaded[1:]):
-        if other_vocab.fingerprint != vocab.fingerprint:
-            raise UserError(f"{f}: its vocabulary differs from {found[0]}'s; an ensemble "
-                            "needs models trained on one vocabulary")
-        if other.data.preprocess != config.data.preprocess:
-            raise UserError(f"{f}: it reads data.preprocess = {other.data.preprocess!r} "
-                            f"text, {found[0]} {config.data.preprocess!r}; an ensemble "
-                            "needs one kind of text")
-    return Pretrained([m for m, _, _ in loaded], config, vocab,
-                      [str(f).removeprefix("marian:") for f in found], record)
 
 
 class Translator:
@@ -325,7 +127,7 @@ class Translator:
         Args:
             device: "cpu", "cuda" or "cuda:N" (default: cuda when there is one, else cpu).
             precision: see :class:`Translator` (default for a finished run: the precision
-                its pipeline decoded with, recorded in :data:`GENERATION_CONFIG`).
+                its pipeline decoded with, recorded in :data:`aiayn.rundir.GENERATION_CONFIG`).
             warn: receives what loading should say (a run whose training has not finished
                 loads its newest checkpoint); default: the ``aiayn`` logger.
 
@@ -359,7 +161,7 @@ class Translator:
         """The token every decoder input starts with (the model's ``decoder_start_id``)."""
         return self.models[0].config.decoder_start_id
 
-    def search(self, **overrides: Any) -> DecodeConfig:
+    def decode_settings(self, **overrides: Any) -> DecodeConfig:
         """:attr:`decode_config` with the given fields replaced (None keeps the default).
 
         Raises:
@@ -408,7 +210,7 @@ class Translator:
         from aiayn.decoding import translate_nbest
 
         warn = warn or self.warn
-        decode = self.search(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
+        decode = self.decode_settings(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                              max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
         return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_training import quiet, task_config  # tests/integration is on sys.path
+from test_training import task_config  # tests/integration is on sys.path
 
 from aiayn.cli import main
 from aiayn.config import DataConfig, TrainConfig, load_config
 from aiayn.data.batching import encode_corpus
+from aiayn.data.splits import load_split
 from aiayn.data.vocab import Vocabulary
 from aiayn.training.loop import Trainer
 from aiayn.training.loss import label_smoothed_loss
-from aiayn.training.run import load_split
 from aiayn.training.schedule import learning_rate, peak_learning_rate, scheduled_lr
 
 # --- schedules ---------------------------------------------------------------------------------
@@ -250,10 +250,13 @@ def test_pipeline_and_translate_in_the_literature_text(data_dir: Path, tmp_path:
 
 
 def test_curves_name_the_runs_protocol_and_schedule(tmp_path: Path) -> None:
-    from aiayn.cli.plot import panel_titles
+    from aiayn.viz.curves import panel_titles
 
-    assert panel_titles(tmp_path) == ("validation BLEU (greedy, sacreBLEU cased)",
+    # no config: the defaults' (Multi30k, whose validation BLEU is the Multi30k protocol's)
+    assert panel_titles(tmp_path) == ("validation BLEU (greedy, Multi30k protocol)",
                                       "learning rate (§5.3, eq. 3)")
+    (tmp_path / "config.json").write_text(json.dumps({"data": {"dataset": "files"}}))
+    assert panel_titles(tmp_path)[0] == "validation BLEU (greedy, sacreBLEU cased)"
     (tmp_path / "config.json").write_text(json.dumps(
         {"data": {"preprocess": "lc-norm-tok"}, "train": {"lr_schedule": "linear"}}))
     assert panel_titles(tmp_path) == ("validation BLEU (greedy, Multi30k protocol)",

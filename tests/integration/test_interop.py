@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -14,12 +15,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from interop_fixtures import make_marian, read_corpus
+from interop_fixtures import make_marian, read_corpus  # noqa: E402
 
-from aiayn.cli import main
-from aiayn.data.batching import pad_sources
-from aiayn.translator import Translator
-from aiayn.interop.marian import import_hf
+from aiayn.cli import main  # noqa: E402
+from aiayn.data.batching import pad_sources  # noqa: E402
+from aiayn.translator import Translator  # noqa: E402
+from aiayn.interop.marian import import_hf  # noqa: E402
 
 MAX_LENGTH = 40  # generate's max_length: the start token + at most 38 tokens + EOS
 
@@ -199,3 +200,63 @@ def test_fine_tuning_a_converted_marian_model(marian, corpus, sources, tmp_path)
         assert mine[0].text == hf_text
     # fine-tuning changed the function: the original model answers otherwise somewhere
     assert texts != _generate(hf, tok, sources, 4)[1]
+
+
+def test_convert_exports_the_model_the_run_recorded(marian, corpus, sources, tmp_path):
+    """When the moving average (``ema``) is the run's recorded choice, ``aiayn convert --to hf
+    RUN`` exports ``RUN/ema`` (not ``RUN/averaged``, which the run also holds) with the run's
+    search settings, and Hugging Face's greedy ``generate`` gives the run's own output: what
+    ``Translator.from_pretrained(RUN)`` translates, as the pipeline's test output is made."""
+    from safetensors.torch import load_file
+    from transformers import MarianMTModel, MarianTokenizer
+
+    from aiayn.rundir import RunDir
+
+    directory, _, _ = marian
+    src, tgt = corpus
+    files = {}
+    for name, lines in (("train.en", src[:300]), ("train.de", tgt[:300]),
+                        ("valid.en", src[1400:1420]), ("valid.de", tgt[1400:1420])):
+        files[name] = tmp_path / name
+        files[name].write_text("\n".join(lines) + "\n", encoding="utf-8")
+    run = RunDir(tmp_path / "run")
+    assert main(["train", "--preset", "tiny", "--init-from", str(directory), "--run-dir",
+                 str(run.path), "--no-progress", "--set", "data.dataset=files",
+                 "--set", f"data.train_src={files['train.en']}",
+                 "--set", f"data.train_tgt={files['train.de']}",
+                 "--set", f"data.valid_src={files['valid.en']}",
+                 "--set", f"data.valid_tgt={files['valid.de']}",
+                 "--set", "train.max_steps=30", "--set", "train.warmup_steps=10",
+                 "--set", "train.checkpoint_every_steps=10", "--set", "train.keep_last=2",
+                 "--set", "train.eval_every_steps=30", "--set", "train.eval_bleu_sentences=0",
+                 "--set", "train.ema_decay=0.9"]) == 0
+    assert main(["average", str(run.path), "--last", "2"]) == 0
+    assert run.finished and run.steps() and all(
+        (p / "model.safetensors").is_file() for p in (run.ema, run.averaged))
+    # the record the pipeline writes when ema wins on val: greedy, the HF search's lengths
+    decode = Translator.from_pretrained(run.ema).decode_config
+    greedy = dataclasses.replace(decode, beam_size=1, alpha=0.0, max_len_a=0.0,
+                                 max_len_b=MAX_LENGTH - 2)
+    run.write_generation([run.ema], greedy, weights="ema", precision="fp32")
+    translator = Translator.from_pretrained(run.path, precision="fp32")
+    assert translator.source == [str(run.ema)]
+    ours = translator.translate(sources)  # the run's output, at its recorded settings
+
+    back = tmp_path / "hf"
+    assert main(["convert", "--to", "hf", str(run.path), "-o", str(back)]) == 0
+    exported = load_file(back / "model.safetensors")
+    ema_hf, avg_hf = tmp_path / "ema-hf", tmp_path / "avg-hf"
+    assert main(["convert", "--to", "hf", str(run.ema), "-o", str(ema_hf)]) == 0
+    assert main(["convert", "--to", "hf", str(run.averaged), "-o", str(avg_hf)]) == 0
+    for name, want in load_file(ema_hf / "model.safetensors").items():
+        assert torch.equal(exported[name], want), name
+    averaged = load_file(avg_hf / "model.safetensors")
+    assert any(not torch.equal(exported[k], v) for k, v in averaged.items()), \
+        "ema and the average should differ, or the test shows nothing"
+    gen = json.loads((back / "generation_config.json").read_text(encoding="utf-8"))
+    assert gen["num_beams"] == 1 and gen["max_length"] == MAX_LENGTH
+    hf, tok = MarianMTModel.from_pretrained(back).eval(), MarianTokenizer.from_pretrained(back)
+    batch = tok(sources, return_tensors="pt", padding=True)
+    with torch.no_grad():  # the exported generation_config.json's search: greedy
+        out = hf.generate(**batch, do_sample=False)
+    assert tok.batch_decode(out, skip_special_tokens=True) == ours

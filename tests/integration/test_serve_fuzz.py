@@ -36,11 +36,11 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis", minversion="4.3")
 
-from hypothesis import HealthCheck, settings
-from schemathesis.checks import max_response_time, not_a_server_error
+from hypothesis import HealthCheck, settings  # noqa: E402 (after the skip)
+from schemathesis.checks import max_response_time, not_a_server_error  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: serving.py
-from serving import artifacts_dir, serve_in_thread, tiny_checkpoint
+from serving import artifacts_dir, serve_in_thread, tiny_checkpoint  # noqa: E402
 
 MAX_EXAMPLES = 30  # fuzzed requests per operation (the coverage phase adds its own few)
 REQUEST_TIMEOUT_S = 10.0  # no answer by then: the server hangs

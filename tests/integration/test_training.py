@@ -23,13 +23,13 @@ import reference as ref_loss  # tests/ is on sys.path
 from damage import swap_two_tokens
 from safetensors.torch import load_file
 
-from aiayn.checkpoint import (list_checkpoints, load_checkpoint, load_training_state,
-                              resolve_checkpoint)
+from aiayn.checkpoint import list_checkpoints, load_checkpoint, load_training_state
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, TrainConfig
 from aiayn.translator import Translator
 from aiayn.devices import ONEDNN_CACHE_CAPACITY
 from aiayn.errors import DataError, UserError
 from aiayn.model import Transformer
+from aiayn.rundir import model_paths
 from aiayn.training.average import average_checkpoints
 from aiayn.training.loss import label_smoothed_loss, projected_label_smoothed_loss, rdrop_loss
 from aiayn.training.loop import StopTraining
@@ -567,7 +567,7 @@ def test_ema_is_the_moving_average_of_every_update(tmp_path: Path) -> None:
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     cfg = task_config(tmp_path, ema_decay=0.9)
     corpus = load_split(cfg.data, "train")
@@ -638,7 +638,7 @@ def test_nonfinite_losses_stop_the_run_with_a_checkpoint(tmp_path: Path) -> None
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     cfg = task_config(tmp_path, max_steps=50, max_nonfinite=3)
     corpus = load_split(cfg.data, "train")
@@ -693,6 +693,7 @@ from aiayn.checkpoint import save_checkpoint
 from aiayn.config import Config, ModelConfig
 from aiayn.data.vocab import Vocabulary
 from aiayn.model import Transformer
+from aiayn.rundir import model_paths
 cfg = Config(model=ModelConfig(N=1, d_model=256, d_ff=1024, h=4, d_k=64, d_v=64,
                                vocab_size=2000))
 vocab = Vocabulary.learn([f"w{i} x{i * 7} y{i * 13}" for i in range(3000)], 2000)
@@ -726,7 +727,7 @@ def test_a_killed_checkpoint_write_is_never_loaded(tmp_path: Path) -> None:
         for path in found:
             model, cfg, vocab = load_checkpoint(path)
             assert len(vocab) == cfg.model.vocab_size
-        assert resolve_checkpoint(run_dir) == found[-1]
+        assert model_paths(run_dir)[0] == [found[-1]]  # what the unfinished run loads as
     leftovers = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert all(p not in list_checkpoints(run_dir) for p in leftovers)
 
@@ -752,7 +753,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path,
     from aiayn.checkpoint import load_training_state
     from aiayn.data.batching import encode_corpus, make_batches
     from aiayn.data.vocab import Vocabulary
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     cfg = task_config(tmp_path, max_steps=4, checkpoint_every_steps=2, lr_scale=1.0,
                       precision="bf16-weights" if bf16_weights else "fp32")
@@ -910,7 +911,7 @@ def test_rdrop_stacks_the_batch_row_for_row(tmp_path: Path) -> None:
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
     from aiayn.training.update import batch_loss
 
     cfg = task_config(tmp_path, rdrop_alpha=5.0)

@@ -19,7 +19,7 @@ from aiayn.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from aiayn.config import DecodeConfig  # noqa: E402
 from aiayn.errors import UserError  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
-from aiayn.translator import GENERATION_CONFIG, write_generation_config  # noqa: E402
+from aiayn.rundir import GENERATION_CONFIG, write_generation_config  # noqa: E402
 
 LINES = ["Two dogs play in the snow.", "A man rides a bike.", "", "A woman reads."]
 
@@ -137,9 +137,9 @@ def test_score_is_the_log_probability_of_the_target(checkpoint, tmp_path):
 
 def test_decode_overrides_are_checked(checkpoint):
     translator = Translator.from_pretrained(checkpoint)
-    assert translator.search(alpha=1.0).alpha == 1.0
-    assert translator.search(alpha=None) == translator.decode_config
+    assert translator.decode_settings(alpha=1.0).alpha == 1.0
+    assert translator.decode_settings(alpha=None) == translator.decode_config
     with pytest.raises(ValueError, match="unknown decode setting"):
-        translator.search(beams=3)
+        translator.decode_settings(beams=3)
     with pytest.raises(ValueError, match="beam_size"):
         translator.translate(LINES, beam_size=0)

@@ -103,7 +103,7 @@ def test_the_nonfinite_guard_never_saves_non_finite_weights(tmp_path: Path) -> N
     from aiayn.data.batching import encode_corpus
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import StopTraining, Trainer
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     cfg = small_config(tmp_path / "data", max_steps=50, max_nonfinite=3)
     corpus = load_split(cfg.data, "train")

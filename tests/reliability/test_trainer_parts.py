@@ -14,10 +14,10 @@ from aiayn.data.batching import encode_corpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import cpu_times, steal_percent
 from aiayn.model import Transformer
+from aiayn.data.splits import load_split
 from aiayn.training.loop import Trainer
 from aiayn.training.metrics import MetricsSink, Window
 from aiayn.training.update import build_model
-from aiayn.training.run import load_split
 
 
 class MemorySink(MetricsSink):

@@ -164,12 +164,12 @@ def test_an_ensemble_decode_leaves_each_member_in_the_mode_it_came_in(members, v
 @pytest.mark.parametrize("int8_loss, chosen", [(0.0, "int8"), (0.2, "int8"), (0.3, "fp32")])
 def test_a_run_records_int8_only_within_the_bleu_margin(monkeypatch, members, vocab, int8_loss,
                                                         chosen):
-    """The pipeline's rule (aiayn.cli.pipeline.check_reduced_precision): int8 becomes a run's
+    """The pipeline's rule (aiayn.selection.check_reduced_precision): int8 becomes a run's
     default precision only where its val BLEU stays within 0.2 of fp32's and the machine runs
     it faster. The BLEU here is a stand-in that charges int8's output ``int8_loss`` points, so
     the rule, not the tiny model's luck, is what is tested; the outputs are the real ones."""
     import aiayn.precision as precision
-    from aiayn.cli.pipeline import check_reduced_precision
+    from aiayn.selection import check_reduced_precision
 
     translator = Translator(members, vocab, precision="fp32")
     decode = dataclasses.replace(translator.decode_config, beam_size=4, max_len_b=8)

@@ -13,7 +13,7 @@ from pathlib import Path as _Path
 sys.path.insert(0, str(_Path(__file__).resolve().parent.parent))
 from figures import assert_drawn  # noqa: E402
 
-from aiayn.cli.plot import plot_run, read_metrics  # noqa: E402
+from aiayn.viz.curves import plot_run, read_metrics  # noqa: E402
 
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 HELP = "Average the last K checkpoints of a run into one model (§6.1: 5 for base, 20 for big)."
 
@@ -19,17 +18,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiayn.checkpoint import list_checkpoints
     from aiayn.errors import UserError
+    from aiayn.rundir import RunDir
     from aiayn.training.average import average_checkpoints
 
     if args.last < 1:
         raise UserError(f"--last must be at least 1, got {args.last}")
-    found = list_checkpoints(args.run_dir)
+    run = RunDir(args.run_dir)
+    found = run.steps()
     if not found:
-        raise UserError(f"no checkpoints in {Path(args.run_dir) / 'checkpoints'}")
+        raise UserError(f"no checkpoints in {run.checkpoints}")
     chosen = found[-args.last:]
-    out = average_checkpoints(chosen, args.output or Path(args.run_dir) / "averaged")
+    out = average_checkpoints(chosen, args.output or run.averaged)
     result = {"output": str(out), "averaged": [p.name for p in chosen],
               "requested": args.last}
     if args.json:

@@ -18,7 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                 "(config.json, model.safetensors or pytorch_model.bin, "
                                 "source.spm, target.spm, vocab.json)")
     direction.add_argument("--to", dest="to_format", choices=["hf", "ctranslate2"],
-                           help="export: the input is an aiayn checkpoint (or run directory)")
+                           help="export: the input is an aiayn checkpoint, or a run directory "
+                                "(the model it loads as: the members and search settings "
+                                "its pipeline chose on val, else its averaged, best or newest "
+                                "checkpoint)")
     p.add_argument("input", metavar="PATH", help="the model to convert")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="where to write (an existing directory there is replaced)")
@@ -29,8 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from aiayn.checkpoint import load_checkpoint, save_checkpoint
     from aiayn.errors import UserError
+    from aiayn.rundir import model_paths
 
     if args.quantization and args.to_format != "ctranslate2":
         raise UserError("--quantization applies to --to ctranslate2 only")
@@ -41,7 +47,13 @@ def run(args: argparse.Namespace) -> int:
         save_checkpoint(args.output, model, config, vocab, meta={"converted_from": str(
             args.input), "format": "hf-marian"})
     else:
-        model, config, vocab = load_checkpoint(args.input)
+        paths, record = model_paths(args.input, say=lambda msg: print(msg, file=sys.stderr))
+        if len(paths) > 1:
+            raise UserError(f"{args.input}: an ensemble of {len(paths)} models "
+                            f"({', '.join(map(str, paths))}); export one member's folder")
+        model, config, vocab = load_checkpoint(paths[0])
+        if record:  # the run's chosen search settings travel with the model
+            config = dataclasses.replace(config, decode=record["decode"])
         try:
             if args.to_format == "hf":
                 from aiayn.interop.marian import export_hf
@@ -54,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         except UserError as err:
             raise UserError(f"{args.input}: {err}") from None
     summary = {"input": args.input, "output": args.output,
+               "checkpoint": None if args.from_format else str(paths[0]),
                "from": args.from_format or "aiayn", "to": args.to_format or "aiayn",
                "N": config.model.N, "d_model": config.model.d_model,
                "vocab_size": config.model.vocab_size,

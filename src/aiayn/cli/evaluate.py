@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                                            sys.stderr.isatty(), **options)
         hyps = [t[0].text for t in translations]
         lang = lang or config.data.tgt_lang
-        decode = translator.search(**{k: options[k] for k in (
+        decode = translator.decode_settings(**{k: options[k] for k in (
             "beam_size", "alpha", "max_len_a", "max_len_b", "batch_size")})
         result.update(checkpoint=args.checkpoint[0], src=args.src,
                       decode={**dataclasses.asdict(decode), "nbest": 1,

@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 from aiayn.errors import UserError
+from aiayn.rundir import TOKENIZER
 
 HELP = ("Constituency parsing as in §6.3: `prepare` a treebank (split by file, linearized "
         "trees), `train` a 4-layer model, `eval` labelled-bracket F1 (EVALB, COLLINS.prm).")
@@ -257,7 +259,7 @@ def _train(args: argparse.Namespace) -> int:
     from aiayn.training.run import run_training
 
     data = Path(args.data)
-    for name in ("train.src", "train.tgt", "dev.src", "dev.tgt", "tokenizer.json"):
+    for name in ("train.src", "train.tgt", "dev.src", "dev.tgt", TOKENIZER):
         if not (data / name).is_file():
             raise FileNotFoundError(f"{data / name} is missing: run `aiayn parse prepare "
                                     f"--out {data}` first")
@@ -324,6 +326,7 @@ def _eval(args: argparse.Namespace) -> int:
     from nltk.tree import Tree
 
     from aiayn.checkpoint import is_checkpoint, load_checkpoint, write_json_atomic
+    from aiayn.rundir import model_paths
     from aiayn.data.corpus import read_lines as read_text_lines
     from aiayn.parsing.decode import parse, teacher_forced_accuracy
     from aiayn.parsing.evalb import score_corpus
@@ -365,11 +368,15 @@ def _eval(args: argparse.Namespace) -> int:
     words_of = [words_of[i] for i in keep]
     from aiayn.decoding import check_ensemble
 
-    loaded = [load_checkpoint(c, args.device or "cpu") for c in args.checkpoint]
+    def say(msg: str) -> None:
+        print(f"aiayn parse eval: {msg}", file=sys.stderr)
+
+    folders = [f for c in args.checkpoint for f in model_paths(c, say=say)[0]]
+    loaded = [load_checkpoint(f, args.device or "cpu") for f in folders]
     model, config, vocab = loaded[0]
-    for path, (_, _, other) in zip(args.checkpoint[1:], loaded[1:]):
+    for path, (_, _, other) in zip(folders[1:], loaded[1:]):
         if other.tokenizer.get_vocab() != vocab.tokenizer.get_vocab():
-            raise UserError(f"{path}: another vocabulary than {args.checkpoint[0]}'s; an "
+            raise UserError(f"{path}: another vocabulary than {folders[0]}'s; an "
                             "ensemble needs one")
     models = [m for m, _, _ in loaded]
     try:
@@ -418,6 +425,7 @@ def _eval(args: argparse.Namespace) -> int:
     results = {
         "split": args.split, "sentences": len(sentences), "target_form": form.name,
         "checkpoints": [str(c) for c in args.checkpoint],
+        "model_folders": [str(f) for f in folders],  # what they load as (model_paths)
         "beam_size": beam, "alpha": alpha,
         "max_len": f"input + {config.decode.max_len_b}", "constrained": not args.no_constraints,
         "repaired": repaired, "decode_wall_s": round(decode_s, 1),

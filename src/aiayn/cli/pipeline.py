@@ -12,10 +12,6 @@ from typing import Any
 
 from aiayn.errors import UserError
 
-# a reduced decoding precision becomes the run's default only if its val BLEU, at the chosen
-# settings, stays within this many points of fp32's (#45)
-REDUCED_PRECISION_MAX_BLEU_LOSS = 0.2
-
 HELP = ("The whole job on a named corpus: learn the shared BPE vocabulary, train, average the "
         "last checkpoints (§6.1), translate the test set with beam search, report BLEU/chrF.")
 
@@ -52,65 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
 
-def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
-                            fp32_hyps: list[str] | None = None,
-                            progress: bool = False) -> dict[str, Any]:
-    """Whether the run may decode in int8 by default: val BLEU at ``decode`` in fp32 and in
-    int8 (:func:`aiayn.model.quantize.quantize_int8`), on the members ``translator`` holds.
-
-    int8 is chosen only where it loses at most :data:`REDUCED_PRECISION_MAX_BLEU_LOSS` BLEU and
-    the probe of the model's products (:func:`aiayn.precision.choose_precision`'s ``auto``)
-    finds it at least ``BF16_MIN_SPEEDUP`` times faster than fp32 on this machine. bf16 is never
-    recorded, however fast: it is not batch-invariant.
-
-    Args:
-        translator: the chosen members, at any precision (their float weights are used).
-        sources: val sentences, the model's text; bleu: hypotheses -> BLEU.
-        fp32_hyps: the fp32 output of ``sources`` at ``decode``, when the caller has it
-            (the pipeline does, from choosing the settings); else decoded here.
-
-    Returns:
-        ``{"chosen": "fp32"|"int8", "reason", "fp32": BLEU, "int8": BLEU or None,
-        "identical": share of sentences int8 decodes as fp32 does, "auto": what the probe
-        chose}``.
-    """
-    from aiayn.precision import BF16_MIN_SPEEDUP, choose_precision
-    from aiayn.translator import Translator
-
-    search = dataclasses.asdict(decode)
-    auto = choose_precision("auto", translator.device, translator.config.model,
-                            training=False)
-    outputs = {} if fp32_hyps is None else {"fp32": fp32_hyps}
-    for precision in ("fp32", "int8"):
-        if precision not in outputs:
-            t = Translator(translator.models, translator.vocab, config=translator.config,
-                           decode=decode, device=translator.device, precision=precision)
-            outputs[precision] = t.translate(sources, preprocessed=True, progress=progress,
-                                             **search)
-    scores = {precision: round(bleu(hyps), 2) for precision, hyps in outputs.items()}
-    same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"])) / max(1, len(sources))
-    loss = scores["fp32"] - scores["int8"]
-    fast = (auto.int8_gops or 0.0) >= BF16_MIN_SPEEDUP * (auto.fp32_gflops or float("inf"))
-    ok = loss <= REDUCED_PRECISION_MAX_BLEU_LOSS
-    chosen = "int8" if ok and fast else "fp32"
-    why = (f"val BLEU fp32 {scores['fp32']:.2f}, int8 {scores['int8']:.2f} "
-           f"({same:.1%} of sentences identical); ")
-    if chosen == "int8":
-        why += f"int8 is within {REDUCED_PRECISION_MAX_BLEU_LOSS} BLEU and faster here"
-    elif not ok:
-        why += f"int8 loses more than {REDUCED_PRECISION_MAX_BLEU_LOSS} BLEU: fp32"
-    else:
-        why += f"int8 is not faster on this machine ({auto.reason}): fp32"
-    return {"chosen": chosen, "reason": why, "fp32": scores["fp32"], "int8": scores["int8"],
-            "identical": round(same, 4), "auto": auto.to_dict()}
-
-
-def _described(candidate: int | str) -> str:
-    """How the job names a candidate model: an averaging width, or "ema"."""
-    return "the moving average of the weights" if candidate == "ema" \
-        else f"the last {candidate} checkpoints averaged"
-
-
 def _ensemble_summary(members: list[dict[str, Any]]) -> dict[str, Any]:
     """One summary for an ensemble's members: their updates and target tokens summed, the
     fewest epochs, the longest time, the stop reason of the first that did not end normally."""
@@ -142,19 +79,21 @@ def run(args: argparse.Namespace) -> int:
     import signal
     import sys
 
-    from aiayn.checkpoint import is_checkpoint, list_checkpoints
-    from aiayn.cli.plot import plot_run
     from aiayn.config import load_config
+    from aiayn.data.splits import load_raw_split, load_split
     from aiayn.devices import choose_device
-    from aiayn.fileio import write_atomic, write_json_atomic
     from aiayn.evaluation.bleu import (chrf_score, corpus_bleu, multi30k_tok_bleu,
                                        multi30k_tokenize, sacrebleu_scores)
     from aiayn.evaluation.bleu import read_lines as read_ref_lines
-    from aiayn.training.average import average_checkpoints
+    from aiayn.fileio import write_atomic
+    from aiayn.precision import may_reduce_decoding_precision
+    from aiayn.rundir import GENERATION_CONFIG, RESULTS, RunDir
+    from aiayn.selection import (candidates, check_reduced_precision, choose_on_valid,
+                                 described, record_choice, write_results)
     from aiayn.training.ensemble import (check_new_run, member_dirs, members_found,
                                          train_members)
-    from aiayn.precision import may_reduce_decoding_precision
-    from aiayn.training.run import load_raw_split, load_split, run_training
+    from aiayn.training.run import run_training
+    from aiayn.viz.curves import plot_run
 
     def say(msg: str) -> None:
         if not args.json:
@@ -187,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
     # the run's own keep_last on --resume (its config.json), so a wider average fails now and
     # not after an hour of training
     kept = config.train.keep_last
-    if args.resume and (run_dir / "config.json").is_file():
-        kept = load_config(str(run_dir / "config.json"), overrides).train.keep_last
+    if args.resume and RunDir(run_dir).config.is_file():
+        kept = load_config(str(RunDir(run_dir).config), overrides).train.keep_last
     widths = list(dict.fromkeys(args.average or [kept]))
     if max(widths) > kept:
         raise UserError(f"--average {max(widths)}: the run keeps only its last {kept} "
@@ -222,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     dc = config.decode
     from aiayn.data.text import is_protocol_text
-    from aiayn.translator import Translator, write_generation_config
+    from aiayn.translator import Translator
 
     trained = (members[0] if members else summary)["precision"]
     say(f"[1/4] trained at precision {trained['chosen']} ({trained['requested']}: "
@@ -236,100 +175,40 @@ def run(args: argparse.Namespace) -> int:
     decode_precision = "fp32"
 
     lc_tok = is_protocol_text(d.preprocess)  # outputs already in the Multi30k protocol's form
-
-    def average(k: int | str) -> tuple[list[Path], Translator]:
-        """The last ``k`` checkpoints of each run (one, or each ensemble member) averaged into
-        its ``averaged`` folder: (the checkpoints averaged, the :class:`Translator` of the
-        averages); ``k = "ema"``: each run's moving average of the weights, RUN/ema."""
-        found, paths = [], []
-        for run in runs:
-            if k == "ema":
-                say(f"[2/4] the moving average of the weights (train.ema_decay {ema_decay}): "
-                    f"{run / 'ema'}")
-                found.append(run / "ema")
-                paths.append(run / "ema")
-                continue
-            last = list_checkpoints(run)[-k:]
-            say(f"[2/4] averaging the last {len(last)} checkpoints (§6.1)"
-                + (f" of {run.name}" if members else "") + f": "
-                f"{', '.join(p.name for p in last)}")
-            found += last
-            paths.append(average_checkpoints(last, run / "averaged"))
-        return found, Translator.from_pretrained(paths, device=device,
-                                                 precision=decode_precision)
-
-    def translate(translator: Translator, lines: list[str], alpha: float) -> list[str]:
-        """``lines`` of the corpus (the model's text already), beam search as the job's
-        ``decode`` says (the settings the test set gets too), with ``alpha``."""
-        search = dataclasses.asdict(dataclasses.replace(dc, alpha=alpha))
-        return translator.translate(lines, preprocessed=True,
-                                    progress=not args.no_progress and not args.json, **search)
+    progress = not args.no_progress and not args.json
 
     def bleu_of(hyps: list[str], refs: list[str]) -> float:
         """The job's headline BLEU on its own corpus text (:func:`corpus_bleu`'s rule)."""
         return corpus_bleu(hyps, refs, d)["bleu"]
 
-    # §6.2's rule: settings are chosen on the development set, never on the test set. Every
-    # averaging width is tried with every alpha; ties go to the first given.
-    alphas = args.alphas or [dc.alpha]
+    # §6.2: the weights and alpha are chosen on the whole validation set (aiayn.selection)
     valid = load_split(d, "valid")
-    by_average: dict[str, dict[str, float]] = {}
-    # a width past the checkpoints a short run saved averages the same ones as a narrower width:
-    # it is scored once, under the first width given
-    saved = [len(list_checkpoints(run)) for run in runs]
-    candidates: list[int | str] = []
-    first_of: dict[tuple[int, ...], int] = {}
-    for k in widths:
-        same = tuple(min(k, n) for n in saved)  # how many checkpoints each run would average
-        if same in first_of:
-            say(f"[2/4] --average {k}: the run saved {max(saved)} checkpoints, the same as "
-                f"--average {first_of[same]}; scored once")
-            continue
-        first_of[same] = k
-        candidates.append(k)
+    valid = valid if valid is not None and len(valid) else None
+    layouts = [RunDir(run) for run in runs]
     # the run's own config (a resumed run may not repeat its --set train.ema_decay)
-    ema_decay = load_config(str(runs[0] / "config.json")).train.ema_decay
-    if ema_decay > 0 and all(is_checkpoint(run / "ema") for run in runs):
-        candidates.append("ema")
-    width, alpha = widths[0], dc.alpha
-    translator = None
-    val_hyps: dict[tuple[str, str], list[str]] = {}  # (width, alpha) -> fp32 val output
-    if valid is not None and len(valid):
-        refs = valid.tgt
-        for k in candidates:
-            found, translator = average(k)
-            say(f"[3/4] translating {len(valid)} validation sentences: beam {dc.beam_size}, "
-                f"alpha {', '.join(map(str, alphas))}")
-            scores_k = by_average[str(k)] = {}
-            for a in alphas:
-                val_hyps[(str(k), str(a))] = translate(translator, valid.src, a)
-                scores_k[str(a)] = round(bleu_of(val_hyps[(str(k), str(a))], refs), 2)
-                say(f"      val BLEU, {_described(k)}, alpha {a}: {scores_k[str(a)]:.2f}")
-        width, alpha = max(((k, a) for k in candidates for a in alphas),
-                           key=lambda ka: by_average[str(ka[0])][str(ka[1])])
-    valid_bleu = by_average.get(str(width), {})
-    if not by_average or width != candidates[-1]:  # average the chosen one again
-        found, translator = average(width)
-    # the run directory becomes the model it reports: these members, this search
+    ema_decay = load_config(str(layouts[0].config)).train.ema_decay
+    options = candidates(layouts, widths, ema_decay, say)
+    choice = choose_on_valid(
+        layouts, options, args.alphas or [dc.alpha], dc, valid and valid.src,
+        lambda hyps: bleu_of(hyps, valid.tgt),
+        lambda paths: Translator.from_pretrained(paths, device=device,
+                                                 precision=decode_precision),
+        ensemble=bool(members), progress=progress, say=say)
+    width, alpha, by_average = choice.weights, choice.alpha, choice.by_average
     chosen = dataclasses.replace(dc, alpha=alpha)
-    members_used = translator.source
     precision_check = None
     # a run trained in fp32 because its config asked for it decodes in fp32
     # (may_reduce_decoding_precision); the others may take int8
-    if valid is not None and len(valid) and device.type == "cpu" and \
+    if valid is not None and device.type == "cpu" and \
             may_reduce_decoding_precision(config.train.precision):
         precision_check = check_reduced_precision(
-            translator, valid.src, lambda hyps: bleu_of(hyps, refs), chosen,
-            fp32_hyps=val_hyps.get((str(width), str(alpha))),
-            progress=not args.no_progress and not args.json)
+            Translator.from_pretrained(choice.paths, device=device, precision="fp32"),
+            valid.src, lambda hyps: bleu_of(hyps, valid.tgt), chosen,
+            fp32_hyps=choice.val_hyps, progress=progress)
         decode_precision = precision_check["chosen"]
         say(f"[3/4] decoding precision: {precision_check['reason']}")
-    write_generation_config(
-        run_dir, members_used, chosen, precision=decode_precision, weights=str(width),
-        averaged=[str(p.relative_to(run_dir)) for p in found],
-        valid_bleu=valid_bleu.get(str(alpha)),
-        valid_protocol=("Multi30k protocol (lowercased, tokenized)" if d.dataset == "multi30k"
-                        else "sacreBLEU (cased, detokenized)"))
+    # the run directory becomes the model it reports: these members, this search
+    record_choice(run_dir, choice, dc, precision=decode_precision, data=d)
     final = Translator.from_pretrained(run_dir, device=device)
     raw_test = load_raw_split(d, "test")
     say(f"[3/4] translating {len(test)} test sentences: beam {chosen.beam_size}, alpha {alpha}, "
@@ -337,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     t1 = time.monotonic()
     hyps = final.translate(raw_test.src, progress=not args.no_progress and not args.json)
     decode_s = time.monotonic() - t1
-    hyp_path = run_dir / f"test.hyp.{d.tgt_lang}"
+    hyp_path = RunDir(run_dir).test_output(d.tgt_lang)
     write_atomic(hyp_path, "".join(h + "\n" for h in hyps))
 
     say("[4/4] scoring")
@@ -360,17 +239,8 @@ def run(args: argparse.Namespace) -> int:
         "precision": trained, "decode_precision": final.precision.chosen,
         # val BLEU at the chosen settings in fp32 and in the machine's reduced precision, the
         # share of identical sentences, and which one the run records (and why)
-        "decode_precision_check": precision_check,
-        "averaged": [str(p.relative_to(run_dir)) if members else p.name for p in found],
-        # "ema" when the moving average of the weights won on val, else the averaging width
-        "weights": str(width),
-        "beam_size": dc.beam_size, "alpha": alpha,
-        # beam-search BLEU on the whole validation set at each alpha tried (the headline
-        # protocol: Multi30k's on Multi30k), the test set translated once with the best
-        "valid_bleu_by_alpha": valid_bleu,
-        # the same for every averaging width tried ({"5": {"0.6": ...}}, and "ema" for the
-        # moving average of the weights), the chosen one above
-        "valid_bleu_by_average": by_average,
+        "decode_precision_check": precision_check, "beam_size": dc.beam_size,
+        **choice.to_results(run_dir, ensemble=bool(members)),
         # the text the model reads and writes: "none" (cased, detokenized, scored with
         # sacreBLEU) or "lc-norm-tok" (the Multi30k protocol's text, scored as it is)
         "text": d.preprocess, "lr_schedule": config.train.lr_schedule,
@@ -397,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
             multi30k_tok_bleu(hyps, refs, d.tgt_lang, pretokenized=lc_tok), 2)
         results["multi30k_tok_reference"] = ref_name
     results["pipeline_wall_s"] = round(time.monotonic() - t0, 1)
-    write_json_atomic(run_dir / "results.json", results)
+    write_results(run_dir, results)
     if members:
         for run in runs:
             plot_run(run)  # each member's own figure
@@ -406,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results))
         return 0
     print(f"\nResults on {d.dataset} {results['test_set']} ({d.src_lang}->{d.tgt_lang}), "
-          f"{_described(width)}, beam {dc.beam_size}, alpha {alpha}:")
+          f"{described(width)}, beam {dc.beam_size}, alpha {alpha}:")
     if lc_tok:
         print(f"  text: lowercased, normalized, Moses-tokenized (data.preprocess = lc-norm-tok); "
               f"chrF {results['sacrebleu_chrf']:.2f} on that text")
@@ -419,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     if results["bleu_signature"]:
         print(f"  {results['bleu_signature']}")
     for k, by_alpha in by_average.items():
-        print(f"  validation set, same beam, headline protocol, {_described(k)}: " + ", ".join(
+        print(f"  validation set, same beam, headline protocol, {described(k)}: " + ", ".join(
             f"BLEU {b:.2f} at alpha {a}" for a, b in by_alpha.items()))
     for m in members:
         print(f"  ensemble {Path(m['run_dir']).name} (seed {m['seed']}, "
@@ -427,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
               f"val nll {m.get('valid_nll', float('nan')):.3f}")
     print(f"  training {summary['elapsed_s'] / 60:.1f} min, {summary['steps']} steps"
           + (" (all members)" if members else "") + "; "
-          f"decoding {decode_s:.0f} s; run directory {run_dir} (results.json, "
-          f"{png.name}, {hyp_path.name}, generation_config.json)")
+          f"decoding {decode_s:.0f} s; run directory {run_dir} ({RESULTS}, "
+          f"{png.name}, {hyp_path.name}, {GENERATION_CONFIG})")
     print(f"  the run loads as this model: aiayn translate --checkpoint {run_dir}, "
           f"aiayn serve --checkpoint {run_dir}, Translator.from_pretrained({str(run_dir)!r})")
     return 0

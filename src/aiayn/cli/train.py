@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from aiayn.rundir import CONFIG, TOKENIZER
+
 HELP = ("Train a model from a preset or config file; resumable, checkpoints every N steps or "
         "M seconds. Several processes: torchrun --nproc-per-node N -m aiayn train ...")
 
@@ -15,13 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="preset name (multi30k, tiny, base, big, table3-A1 … table3-E); "
                           "default multi30k")
     src.add_argument("--config", default=None, metavar="FILE",
-                     help="a .toml or .json config file (a run's config.json repeats that run)")
+                     help=f"a .toml or .json config file (a run's {CONFIG} repeats that run)")
     p.add_argument("--run-dir", required=True, metavar="DIR",
                    help="where config, vocabulary, checkpoints, metrics and events go")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field, e.g. train.max_steps=2000 (repeatable)")
     p.add_argument("--vocab", default=None, metavar="PATH",
-                   help="an existing vocabulary (tokenizer.json or its folder); default: learn "
+                   help=f"an existing vocabulary ({TOKENIZER} or its folder); default: learn "
                         "one from the training data (data.vocab_size, data.vocab_kind)")
     p.add_argument("--init-from", default=None, metavar="CKPT_OR_HF_DIR",
                    help="fine-tune: start from this model's weights and vocabulary (a "

@@ -8,6 +8,7 @@ import sys
 
 from aiayn.errors import UserError
 from aiayn.precision import DECODE_PRECISIONS
+from aiayn.rundir import GENERATION_CONFIG
 
 HELP = ("Translate text line by line with a checkpoint (beam search as §6.1 by default); one "
         "output line per input line.")
@@ -18,7 +19,7 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
     p.add_argument("--checkpoint", required=checkpoint_required, nargs="+", metavar="PATH",
                    help="checkpoint directory; or a run directory: the model its pipeline "
                         "chose on the validation set (members, averaging, alpha: "
-                        "RUN/generation_config.json), else its averaged, best or newest "
+                        f"RUN/{GENERATION_CONFIG}), else its averaged, best or newest "
                         "checkpoint; or a Hugging Face Marian directory. Several make an "
                         "ensemble, whose next-token probabilities are averaged (one "
                         "vocabulary); the first one's settings give the decoding defaults")

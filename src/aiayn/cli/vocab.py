@@ -7,9 +7,10 @@ import json
 import time
 
 from aiayn.errors import UserError
+from aiayn.rundir import TOKENIZER
 
 HELP = ("Learn a shared source-target subword vocabulary (BPE as for EN-DE, or word-pieces as "
-        "for EN-FR, §5.1) and save it as DIR/tokenizer.json.")
+        f"for EN-FR, §5.1) and save it as DIR/{TOKENIZER}.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=("bpe", "wordpiece"), default="bpe",
                    help="subword model: bpe (§5.1 EN-DE) or wordpiece (§5.1 EN-FR)")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
-                   help="directory to write tokenizer.json into (created if needed)")
+                   help=f"directory to write {TOKENIZER} into (created if needed)")
     p.add_argument("--keep-empty", action="store_true",
                    help="learn from pairs with an empty side too (by default they are dropped "
                         "and counted)")

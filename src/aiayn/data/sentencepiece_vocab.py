@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.errors import DataError
+from aiayn.rundir import TOKENIZER
 
 KIND = "sentencepiece"
 SPIECE_UNDERLINE = "▁"
@@ -104,7 +105,7 @@ class SentencePieceVocabulary:
         """Write ``DIR/tokenizer.json`` atomically; returns its path."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / "tokenizer.json"
+        path = directory / TOKENIZER
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(self.to_json(), encoding="utf-8")
         tmp.replace(path)

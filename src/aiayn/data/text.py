@@ -16,14 +16,35 @@ A model trained on preprocessed text records the mode in its ``config.json``;
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import TYPE_CHECKING, Callable
 
-from aiayn.config import PREPROCESS_MODES
+from aiayn.config import PREPROCESS_MODES, PROTOCOL_TEXT, RAW_TEXT
 from aiayn.data.corpus import ParallelCorpus
 
 if TYPE_CHECKING:
     from aiayn.config import DataConfig
+
+__all__ = ["RAW_TEXT", "PROTOCOL_TEXT", "moses", "multi30k_tokenize", "preprocess_lines",
+           "tokenized_input_warning", "model_text", "is_protocol_text", "preprocess_corpus"]
+
+
+@functools.lru_cache(maxsize=8)
+def moses(lang: str):
+    """sacremoses' ``(MosesPunctNormalizer, MosesTokenizer)`` for ``lang``, made once."""
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+    return MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
+
+
+def multi30k_tokenize(line: str, lang: str) -> str:
+    """One line in the Multi30k protocol's text (:data:`PROTOCOL_TEXT`): lowercase,
+    ``MosesPunctNormalizer(lang).normalize``, then ``MosesTokenizer(lang).tokenize(escape=True)``
+    joined by spaces. Applied to the raw ``test_2016_flickr.de`` this reproduces
+    ``tok/test_2016_flickr.lc.norm.tok.de`` exactly."""
+    normalizer, tokenizer = moses(lang)
+    return " ".join(tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True))
 
 
 def preprocess_lines(lines: list[str], lang: str, mode: str) -> list[str]:
@@ -32,11 +53,9 @@ def preprocess_lines(lines: list[str], lang: str, mode: str) -> list[str]:
     Raises:
         ValueError: an unknown mode.
     """
-    if mode == "none":
+    if mode == RAW_TEXT:
         return list(lines)
-    if mode == "lc-norm-tok":
-        from aiayn.evaluation.bleu import multi30k_tokenize
-
+    if mode == PROTOCOL_TEXT:
         return [multi30k_tokenize(line, lang) for line in lines]
     raise ValueError(f"unknown data.preprocess {mode!r}; known: {', '.join(PREPROCESS_MODES)}")
 
@@ -55,7 +74,7 @@ def tokenized_input_warning(lines: list[str], data: "DataConfig") -> str | None:
     their count and the first line number (counting from 1). Raw text with HTML entities looks
     the same, so callers warn and still translate.
     """
-    if data.preprocess != "lc-norm-tok":
+    if data.preprocess != PROTOCOL_TEXT:
         return None
     escaped = [i for i, line in enumerate(lines, 1) if _MOSES_ESCAPES.search(line)]
     if not escaped:
@@ -93,13 +112,13 @@ def model_text(lines: list[str], data: "DataConfig", side: str = "src",
 def is_protocol_text(mode: str) -> bool:
     """Whether a model trained under ``data.preprocess = mode`` writes the Multi30k protocol's
     text (lowercased, tokenized): its outputs are scored as they are, never tokenized again."""
-    return mode == "lc-norm-tok"
+    return mode == PROTOCOL_TEXT
 
 
 def preprocess_corpus(corpus: ParallelCorpus, src_lang: str, tgt_lang: str,
                       mode: str) -> ParallelCorpus:
     """Both sides of ``corpus`` under ``mode`` (the same object back for ``none``)."""
-    if mode == "none":
+    if mode == RAW_TEXT:
         return corpus
     return ParallelCorpus(preprocess_lines(corpus.src, src_lang, mode),
                           preprocess_lines(corpus.tgt, tgt_lang, mode),

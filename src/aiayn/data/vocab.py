@@ -29,11 +29,11 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from aiayn.errors import ConfigError, DataError
+from aiayn.rundir import TOKENIZER as VOCAB_FILE
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
-VOCAB_FILE = "tokenizer.json"
 
 
 class Vocabulary:
@@ -189,7 +189,7 @@ class Vocabulary:
         if len(self) != vocab_size:
             raise DataError(f"{where}: the vocabulary has {len(self)} tokens but the model "
                             f"expects vocab_size={vocab_size}; use the vocabulary the model was "
-                            "trained with (the checkpoint's own tokenizer.json)")
+                            f"trained with (the checkpoint's own {VOCAB_FILE})")
         if fingerprint is not None and fingerprint != self.fingerprint:
             raise DataError(f"{where}: the vocabulary (fingerprint {self.fingerprint[:12]}) is "
                             f"not the one the model was trained with ({fingerprint[:12]}), "

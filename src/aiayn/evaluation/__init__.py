@@ -1,7 +1,9 @@
 """Evaluation: BLEU and chrF in labelled protocols (see :mod:`aiayn.evaluation.bleu`)."""
 
 from aiayn.evaluation.bleu import (
+    PROTOCOL_TITLES,
     PROTOCOLS,
+    bleu_protocol,
     corpus_bleu,
     decode_lines,
     multi30k_tok_bleu,
@@ -14,6 +16,6 @@ from aiayn.evaluation.bleu import (
 )
 
 __all__ = [
-    "PROTOCOLS", "corpus_bleu", "decode_lines", "multi30k_tok_bleu", "multi30k_tokenize", "paper_tok_bleu",
+    "PROTOCOL_TITLES", "PROTOCOLS", "bleu_protocol", "corpus_bleu", "decode_lines", "multi30k_tok_bleu", "multi30k_tokenize", "paper_tok_bleu",
     "paper_tokenize", "read_lines", "sacrebleu_scores", "split_compounds",
 ]

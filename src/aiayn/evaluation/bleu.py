@@ -15,13 +15,13 @@ All functions take hypotheses and references as lists of lines, one per segment.
 
 from __future__ import annotations
 
-import functools
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiayn.data.corpus import decode_line
 from aiayn.data.corpus import read_lines as read_corpus_lines
+from aiayn.data.text import is_protocol_text, moses, multi30k_tokenize
 from aiayn.errors import DataError
 
 if TYPE_CHECKING:
@@ -87,18 +87,11 @@ def split_compounds(line: str) -> str:
     return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
 
 
-@functools.lru_cache(maxsize=8)
-def _moses(lang: str):
-    from sacremoses import MosesPunctNormalizer, MosesTokenizer
-
-    return MosesPunctNormalizer(lang=lang), MosesTokenizer(lang=lang)
-
-
 def paper_tokenize(line: str, lang: str, compounds: bool | None = None) -> str:
     """One line as the paper's tokenized BLEU sees it: Unicode punctuation replaced, Moses
     tokenization (escaped, as ``tokenizer.perl`` does by default), and for German (or when
     ``compounds`` is True) ``##AT##`` compound splitting."""
-    normalizer, tokenizer = _moses(lang)
+    normalizer, tokenizer = moses(lang)
     text = normalizer.replace_unicode_punct(line)
     text = tokenizer.tokenize(text, escape=True, return_str=True)
     if compounds if compounds is not None else lang == "de":
@@ -126,14 +119,29 @@ def paper_tok_bleu(hyps: list[str], refs: list[str], lang: str,
     return BLEU(tokenize="none", force=True).corpus_score(tok_h, [tok_r]).score
 
 
+# short names of the protocols a run reports in, for figure titles
+PROTOCOL_TITLES = {"sacrebleu": "sacreBLEU cased", "paper": "tokenized, as the paper",
+                   "multi30k": "Multi30k protocol"}
+
+
+def bleu_protocol(data: "DataConfig") -> str:
+    """Which BLEU a run on ``data`` reports (a key of :data:`PROTOCOLS`): the Multi30k
+    protocol for a model that writes its text (``data.preprocess`` = ``lc-norm-tok``) or any
+    Multi30k run, else sacreBLEU. The one statement of the rule; :func:`corpus_bleu` scores by
+    it, and records and titles name it."""
+    if is_protocol_text(data.preprocess) or data.dataset == "multi30k":
+        return "multi30k"
+    return "sacrebleu"
+
+
 def corpus_bleu(hyps: list[str], refs: list[str], data: "DataConfig") -> dict:
     """The BLEU a run reports on its own corpus (validation, Table 3's dev set, the main job's
     val choices): the one rule for which protocol that is.
 
     ``hyps`` are the model's outputs and ``refs`` the corpus text as loaded, so both are under
-    ``data.preprocess`` already. A model trained on the Multi30k protocol's text is scored as it
-    writes; other Multi30k text is put into the protocol's form first; any other corpus gets
-    sacreBLEU (cased, detokenized).
+    ``data.preprocess`` already. The protocol is :func:`bleu_protocol`'s. A model trained on the
+    Multi30k protocol's text is scored as it writes; other text is put into the protocol's form
+    first; sacreBLEU scores cased, detokenized text.
 
     Returns:
         dict with ``bleu`` (0-100), ``protocol`` (a key of :data:`PROTOCOLS`) and
@@ -142,9 +150,7 @@ def corpus_bleu(hyps: list[str], refs: list[str], data: "DataConfig") -> dict:
     Raises:
         DataError: the two lists differ in length.
     """
-    from aiayn.data.text import is_protocol_text
-
-    if is_protocol_text(data.preprocess) or data.dataset == "multi30k":
+    if bleu_protocol(data) == "multi30k":
         pretokenized = is_protocol_text(data.preprocess)
         ref_tok = refs if pretokenized else [multi30k_tokenize(r, data.tgt_lang) for r in refs]
         return {"bleu": multi30k_tok_bleu(hyps, ref_tok, data.tgt_lang,
@@ -156,14 +162,6 @@ def corpus_bleu(hyps: list[str], refs: list[str], data: "DataConfig") -> dict:
 
 
 # --- the Multi30k literature's protocol ------------------------------------------------------
-
-
-def multi30k_tokenize(line: str, lang: str) -> str:
-    """Lowercase, ``MosesPunctNormalizer(lang).normalize``, then
-    ``MosesTokenizer(lang).tokenize(escape=True)`` joined by spaces. Applied to the raw
-    ``test_2016_flickr.de`` this reproduces ``tok/test_2016_flickr.lc.norm.tok.de`` exactly."""
-    normalizer, tokenizer = _moses(lang)
-    return " ".join(tokenizer.tokenize(normalizer.normalize(line.lower()), escape=True))
 
 
 def read_lines(path: str | Path) -> list[str]:

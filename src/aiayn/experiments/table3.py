@@ -22,6 +22,7 @@ from typing import Any
 
 from aiayn.config import Config
 from aiayn.fileio import save_with
+from aiayn.rundir import TOKENIZER
 from aiayn.errors import ConfigError
 
 # The paper's base row and each variation's changes, as Table 3 prints them.
@@ -147,10 +148,10 @@ def prepare_table3(base: Config, out_dir: str | Path,
     """``out_dir/vocab``: the one vocabulary every row shares, learned from the base preset's
     training data unless it is there already. Returns its folder."""
     from aiayn.data.vocab import Vocabulary
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     vocab_dir = Path(out_dir) / "vocab"
-    if not (vocab_dir / "tokenizer.json").is_file():
+    if not (vocab_dir / TOKENIZER).is_file():
         log(f"table3: learning a {base.data.vocab_size}-token {base.data.vocab_kind} vocabulary")
         train = load_split(base.data, "train")  # its first train_limit pairs when set
         Vocabulary.learn(train.src + train.tgt, base.data.vocab_size,
@@ -212,7 +213,7 @@ def run_table3(
         parameters, seed).
     """
     from aiayn.checkpoint import list_checkpoints, write_json_atomic
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     out_dir = Path(out_dir)
     (out_dir / "rows").mkdir(parents=True, exist_ok=True)

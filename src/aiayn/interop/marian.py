@@ -44,6 +44,8 @@ import torch
 from aiayn.config import Config, DecodeConfig, ModelConfig
 from aiayn.data.sentencepiece_vocab import SentencePieceVocabulary
 from aiayn.errors import UserError
+# Hugging Face's file names, which aiayn's checkpoints and run directories share
+from aiayn.rundir import CONFIG, GENERATION_CONFIG, WEIGHTS
 
 ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu"}
 
@@ -60,7 +62,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _read_hf_weights(directory: Path) -> dict[str, torch.Tensor]:
     """``model.safetensors``, else ``pytorch_model.bin`` loaded with ``weights_only=True``."""
-    st = directory / "model.safetensors"
+    st = directory / WEIGHTS
     if st.is_file():
         from safetensors.torch import load_file
 
@@ -132,9 +134,9 @@ def import_hf(directory: str | Path):
     from aiayn.model import Transformer
 
     directory = Path(directory)
-    hf = _read_json(directory / "config.json")
+    hf = _read_json(directory / CONFIG)
     if hf.get("model_type") != "marian":
-        raise UserError(f"{directory / 'config.json'}: model_type is {hf.get('model_type')!r}, "
+        raise UserError(f"{directory / CONFIG}: model_type is {hf.get('model_type')!r}, "
                         "only 'marian' (MarianMTModel, OPUS-MT) is supported")
     tok_cfg_path = directory / "tokenizer_config.json"
     tok_cfg = _read_json(tok_cfg_path) if tok_cfg_path.is_file() else {}
@@ -144,11 +146,11 @@ def import_hf(directory: str | Path):
               "normalize_before": False, "add_final_layer_norm": False}
     for key, want in checks.items():
         if key in hf and hf[key] != want:
-            raise UserError(f"{directory / 'config.json'}: {key}={hf[key]!r} is not supported "
+            raise UserError(f"{directory / CONFIG}: {key}={hf[key]!r} is not supported "
                             f"(aiayn needs {want!r})")
     activation = ACTIVATIONS.get(hf.get("activation_function", "swish"))
     if activation is None:
-        raise UserError(f"{directory / 'config.json'}: activation_function="
+        raise UserError(f"{directory / CONFIG}: activation_function="
                         f"{hf.get('activation_function')!r} is not supported (swish or relu)")
     separate = bool(tok_cfg.get("separate_vocabs", False))
     shared = bool(hf.get("share_encoder_decoder_embeddings", True))
@@ -162,7 +164,7 @@ def import_hf(directory: str | Path):
     if unk_piece not in src_vocab or unk_piece not in tgt_vocab:
         raise UserError(f"{directory / 'vocab.json'}: no {unk_piece!r} piece")
     if hf.get("decoder_start_token_id", pad) != pad:
-        raise UserError(f"{directory / 'config.json'}: decoder_start_token_id="
+        raise UserError(f"{directory / CONFIG}: decoder_start_token_id="
                         f"{hf['decoder_start_token_id']} is not the pad id {pad}; only Marian's "
                         "pad start is supported")
     src_perm = _permutation(src_vocab, pad, eos, src_vocab[unk_piece], V_src)
@@ -177,7 +179,7 @@ def import_hf(directory: str | Path):
         max_len=hf.get("max_position_embeddings", 512), layer_norm_eps=1e-5, pad_id=0,
         ffn_activation=activation, positional_layout="halves", final_logits_bias=True,
         decoder_start_id=0)
-    gen_path = directory / "generation_config.json"
+    gen_path = directory / GENERATION_CONFIG
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     decode = DecodeConfig(beam_size=int(gen.get("num_beams", hf.get("num_beams", 4)) or 1),
                           alpha=0.0, max_len_a=0.0, beam_rules="hf",
@@ -304,12 +306,12 @@ def export_hf(model, config: Config, vocab, directory: str | Path) -> Path:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous().clone() for k, v in w.items()},
-                  str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2), encoding="utf-8")
+                  str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(hf_config, indent=2), encoding="utf-8")
         gen = {"decoder_start_token_id": pad, "eos_token_id": eos, "pad_token_id": pad,
                "forced_eos_token_id": eos, "bad_words_ids": [[pad]],
                "num_beams": config.decode.beam_size, "max_length": config.decode.max_len_b + 2}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2), encoding="utf-8")
+        (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2), encoding="utf-8")
         (tmp / "source.spm").write_bytes(vocab.source_spm_bytes)
         (tmp / "target.spm").write_bytes(vocab.target_spm_bytes)
         src_pieces = [vocab.source_pieces[i] for i in src_inv]

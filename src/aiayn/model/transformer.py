@@ -516,7 +516,9 @@ class Transformer(nn.Module):
         """Decoder over a whole shifted-right target (teacher forcing).
 
         Args:
-            tgt_in: (B, T) ids, beginning with BOS (the output shifted right by one, §3.1).
+            tgt_in: (B, T) ids: the output shifted right by one (§3.1), beginning with the
+                start token ``config.decoder_start_id`` (BOS by default; pad for a converted
+                Marian model). The model does not add it: callers put it in front.
             memory: (B, S, d_model) from :meth:`encode`; src_mask: bool (B, S).
             output_mask: optional bool (B, T): project only these positions (training passes
                 the non-pad targets, so padding never reaches the V-wide output layer).

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from aiayn.checkpoint import load_checkpoint, read_meta, save_checkpoint
 from aiayn.errors import UserError
+from aiayn.rundir import CHECKPOINTS, META, WEIGHTS, step_number
 
 
 def average_checkpoints(paths: list[Path], output: str | Path) -> Path:
@@ -36,7 +37,7 @@ def average_checkpoints(paths: list[Path], output: str | Path) -> Path:
                         "average checkpoints of one run only")
     total: dict[str, torch.Tensor] = {}
     for path in paths:
-        file = Path(path) / "model.safetensors"
+        file = Path(path) / WEIGHTS
         try:
             weights = load_file(str(file))
         except Exception as err:  # safetensors' own error type: truncated or corrupt file
@@ -71,13 +72,13 @@ def check_average_output(output: str | Path) -> None:
         UserError: naming ``output`` and what is there.
     """
     output = Path(output)
-    if output.parent.name == "checkpoints" and output.name.startswith("step-"):
+    if output.parent.name == CHECKPOINTS and step_number(output) is not None:
         raise UserError(f"-o {output}: names a step checkpoint of a run; write the average "
                         "elsewhere (default: RUN_DIR/averaged)")
     if not output.exists() and not output.is_symlink():
         return
     what = "a file" if not output.is_dir() else "a folder that is not an earlier average"
-    if output.is_dir() and (output / "meta.json").is_file():
+    if output.is_dir() and (output / META).is_file():
         try:
             if "averaged_from" in read_meta(output):
                 return

@@ -3,11 +3,9 @@ weights-only ``RUN/best`` and ``RUN/ema``, never with non-finite weights."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -15,6 +13,7 @@ from torch import nn
 from aiayn.checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint
 from aiayn.config import Config
 from aiayn.data.vocab import Vocabulary
+from aiayn.rundir import EMA, RunDir
 
 if TYPE_CHECKING:
     from aiayn.training.update import Learner
@@ -93,7 +92,7 @@ class Checkpointer:
         meta = {"step": s.step, "epoch": s.epoch, "reason": reason,
                 "ema_decay": learner.tc.ema_decay, "ema_updates": int(ema.n_averaged),
                 "time": time.time()}
-        return self.save_named("ema", averaged, meta)
+        return self.save_named(EMA, averaged, meta)
 
     def save_step(self, model: nn.Module, meta: dict[str, Any],
                   training_state: dict[str, Any]) -> Path:
@@ -103,7 +102,7 @@ class Checkpointer:
         Raises:
             OSError: the write failed (full disk, permissions); earlier checkpoints stay.
         """
-        path = self.run_dir / "checkpoints" / f"step-{meta['step']:08d}"
+        path = RunDir(self.run_dir).step(meta["step"])
         save_checkpoint(path, model, self.config, self.vocab, meta, training_state)
         prune_checkpoints(self.run_dir, self.keep_last)
         return path

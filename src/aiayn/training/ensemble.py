@@ -6,13 +6,9 @@ An ensemble (not in the paper) averages the next-token probabilities of models t
 one-thread processes on this project's 2-core machine made 1.2 times the updates of one
 two-thread process (the README's "Results"). So a time budget can train N models at once.
 
-Layout of an ensemble's run directory ``RUN``::
-
-    RUN/ensemble.json        {"members": N}
-    RUN/config.json          the shared config (each member's differs only in train.seed)
-    RUN/tokenizer.json       the one vocabulary, learned once, given to every member
-    RUN/member-K/            member K's own run directory (checkpoints, metrics, ...)
-    RUN/member-K.log         what member K's ``aiayn train`` printed
+An ensemble's run directory (its layout: :mod:`aiayn.rundir`) holds the shared config (each
+member's differs only in ``train.seed``), the one vocabulary (learned once, given to every
+member), and each member's own run directory and log.
 
 Member K trains with ``train.seed + K - 1`` (member 1 has the seed of a single run, but fewer
 threads, so under a time budget it makes fewer updates than that run).
@@ -31,26 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.errors import UserError
+from aiayn.rundir import RunDir
 
-ENSEMBLE_FILE = "ensemble.json"  # {"members": N}, written before the first member starts
 STOP_TIMEOUT_S = 300.0  # seconds a member gets to save its checkpoint and exit after SIGTERM
 
 
 def member_dirs(run_dir: str | Path, n: int) -> list[Path]:
-    """``RUN/member-1`` … ``RUN/member-n``."""
-    return [Path(run_dir) / f"member-{k}" for k in range(1, n + 1)]
+    """The run directories of members 1 … n (:meth:`aiayn.rundir.RunDir.member_dirs`)."""
+    return RunDir(run_dir).member_dirs(n)
 
 
 def members_found(run_dir: str | Path) -> int:
-    """How many members the ensemble in ``run_dir`` has (``RUN/ensemble.json``); 0: not an
-    ensemble's run directory."""
-    path = Path(run_dir) / ENSEMBLE_FILE
-    if not path.is_file():
-        return 0
-    try:
-        return int(json.loads(path.read_text(encoding="utf-8"))["members"])
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path}: not an ensemble's record (want {{\"members\": N}})") from None
+    """How many members the ensemble in ``run_dir`` has; 0: not an ensemble's run directory
+    (:meth:`aiayn.rundir.RunDir.members_found`)."""
+    return RunDir(run_dir).members_found()
 
 
 def check_new_run(run_dir: str | Path, n: int) -> None:
@@ -72,8 +62,8 @@ def check_new_run(run_dir: str | Path, n: int) -> None:
 
 
 def _last_step(member: Path) -> int | None:
-    """The newest training step in ``member/metrics.jsonl`` (None before the first)."""
-    path = member / "metrics.jsonl"
+    """The newest training step in the member's metrics (None before the first)."""
+    path = RunDir(member).metrics
     try:
         with path.open("rb") as f:
             f.seek(max(0, path.stat().st_size - 4096))
@@ -160,7 +150,7 @@ def train_members(
     from aiayn.config import load_config
     from aiayn.data.vocab import Vocabulary
     from aiayn.fileio import write_json_atomic
-    from aiayn.training.run import load_split
+    from aiayn.data.splits import load_split
 
     if n < 2:
         raise UserError(f"an ensemble needs at least 2 members, got {n}")
@@ -169,12 +159,13 @@ def train_members(
     if not resume:
         check_new_run(run_dir, n)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if resume and (run_dir / "config.json").is_file():
-        config = load_config(str(run_dir / "config.json"))
+    layout = RunDir(run_dir)
+    if resume and layout.config.is_file():
+        config = load_config(str(layout.config))
     else:
-        write_json_atomic(run_dir / "config.json", config.to_dict())
-        write_json_atomic(run_dir / ENSEMBLE_FILE, {"members": n})
-    vocab_path = run_dir / "tokenizer.json"
+        write_json_atomic(layout.config, config.to_dict())
+        layout.write_members(n)  # written before the first member starts
+    vocab_path = layout.tokenizer
     if not (resume and vocab_path.is_file()):  # learned once: every member shares it
         corpus = load_split(config.data, "train")
         log(f"aiayn pipeline: learning the shared vocabulary ({config.data.vocab_size} "
@@ -184,7 +175,7 @@ def train_members(
     threads = threads or max(1, torch.get_num_threads() // n)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     procs: list[subprocess.Popen] = []
-    logs = [run_dir / f"member-{k}.log" for k in range(1, n + 1)]
+    logs = [layout.member_log(k) for k in range(1, n + 1)]
     seed0 = config.train.seed
     stopped_by: list[int] = []  # the signal that asked the members to stop, once one came
 
@@ -212,7 +203,7 @@ def train_members(
             if resume and list_checkpoints(member):
                 cmd += ["--resume"]
             else:
-                cmd += ["--config", str(run_dir / "config.json"), "--vocab", str(vocab_path),
+                cmd += ["--config", str(layout.config), "--vocab", str(vocab_path),
                         "--set", f"train.seed={seed0 + k - 1}"]
             cmd += [a for o in overrides or [] for a in ("--set", o)]
             if device:
@@ -252,7 +243,7 @@ def train_members(
     summaries = []
     for k, member in enumerate(dirs, 1):
         p = procs[k - 1] if k <= len(procs) else None
-        path = member / "train_summary.json"
+        path = RunDir(member).train_summary
         if stopped_by and (p is None or p.returncode != 0 or not path.is_file()):
             # stopped before its training loop began (or never started): nothing trained
             summaries.append({"stop_reason": f"signal {signal.Signals(stopped_by[0]).name}",

@@ -23,6 +23,7 @@ from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.decoding import translate_nbest
 from aiayn.evaluation.bleu import chrf_score, corpus_bleu
+from aiayn.rundir import BEST
 from aiayn.training.checkpointer import Checkpointer, weights_finite
 from aiayn.training.metrics import MetricsSink
 
@@ -48,9 +49,8 @@ def validation_figures(model: nn.Module, batch_loss: BatchLoss, config: Config,
                        vocab: Vocabulary, valid: ParallelCorpus | None,
                        valid_encoded: EncodedCorpus | None,
                        device: torch.device, *, bf16: bool = False) -> dict[str, float]:
-    """Validation loss and perplexity (per target subword) and BLEU (sacreBLEU, cased,
-    detokenized; with ``data.preprocess = "lc-norm-tok"`` the Multi30k protocol's BLEU of the
-    already tokenized text, :func:`~aiayn.evaluation.bleu.corpus_bleu`) and chrF of the first
+    """Validation loss and perplexity (per target subword) and BLEU (the run's protocol,
+    :func:`aiayn.evaluation.bleu.bleu_protocol`) and chrF of the first
     ``train.eval_bleu_sentences`` pairs, decoded with :func:`validation_search` of
     ``config.decode``, under bf16 autocast when ``bf16`` (the run's resolved precision).
     Leaves ``model`` in eval mode.
@@ -131,7 +131,7 @@ class Evaluator:
             s.best_metric = metric
             s.evals_since_best = 0
             meta = {"step": s.step, **{k: round(v, 4) for k, v in figures.items()}}
-            self.checkpointer.save_named("best", learner.model, meta)
+            self.checkpointer.save_named(BEST, learner.model, meta)
         else:
             s.evals_since_best += 1
         self.metrics.log({"kind": "valid", "step": s.step, "elapsed_s": round(s.elapsed_s, 2),

@@ -38,6 +38,7 @@ from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 from aiayn.model import Transformer, count_parameters
 from aiayn.precision import Precision
+from aiayn.rundir import RunDir
 from aiayn.training.checkpointer import Checkpointer
 from aiayn.training.distributed import DistInfo, init_distributed, main_decides
 from aiayn.training.evaluate import Evaluator
@@ -363,5 +364,5 @@ class Trainer:
         summary = fit(self.learner, self.stream, self.cadence, self.evaluator,
                       self.checkpointer, self.metrics, Clock(), progress=self.progress)
         if self.learner.dist.is_main:
-            write_json_atomic(self.run_dir / "train_summary.json", summary)
+            write_json_atomic(RunDir(self.run_dir).train_summary, summary)
         return summary

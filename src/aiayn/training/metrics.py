@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.devices import cpu_times, steal_percent
+from aiayn.rundir import RunDir
 
 
 class MetricsSink:
@@ -20,7 +21,7 @@ class MetricsSink:
 
     def __init__(self, run_dir: str | Path, enabled: bool = True) -> None:
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = RunDir(self.run_dir).metrics
         self.enabled = enabled
         self.writer = None
 
@@ -30,7 +31,7 @@ class MetricsSink:
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(self.run_dir / "tb"))
+        self.writer = SummaryWriter(str(RunDir(self.run_dir).tensorboard))
 
     def log(self, record: dict[str, Any]) -> None:
         """Append ``record`` (with ``kind`` and ``step``) and add its numbers as scalars."""

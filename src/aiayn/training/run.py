@@ -13,12 +13,13 @@ import torch.distributed as dist
 from aiayn.checkpoint import list_checkpoints, recover_run_dir
 from aiayn.config import Config, TrainConfig, read_json_object
 from aiayn.data.batching import encode_corpus
-from aiayn.data.corpus import ParallelCorpus, load_dataset, load_parallel
-from aiayn.data.text import preprocess_corpus
+from aiayn.data.corpus import ParallelCorpus
+from aiayn.data.splits import load_split
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
-from aiayn.errors import ConfigError, UserError
+from aiayn.errors import UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
+from aiayn.rundir import METRICS, RunDir
 from aiayn.training.loop import DistInfo, Trainer, init_distributed
 
 
@@ -74,39 +75,6 @@ def train(config: Config | str, run_dir: str | Path, *, overrides: list[str] | N
                         progress=progress, init_from=init_from)
 
 
-def load_split(data: Any, split: str) -> ParallelCorpus | None:
-    """The ``split`` ("train", "valid" or "test") pairs described by a DataConfig (the first
-    ``train_limit`` training pairs when set), under its ``preprocess`` mode; None when a
-    ``files`` config names no such files."""
-    corpus = load_raw_split(data, split)
-    if corpus is None:
-        return None
-    if split == "train" and data.train_limit:  # before preprocessing: only what is used
-        k = data.train_limit
-        corpus = ParallelCorpus(corpus.src[:k], corpus.tgt[:k], corpus.name,
-                                corpus.dropped_empty)
-    return preprocess_corpus(corpus, data.src_lang, data.tgt_lang, data.preprocess)
-
-
-def load_raw_split(data: Any, split: str) -> ParallelCorpus | None:
-    """The ``split`` pairs as distributed, before ``data.preprocess`` (what a user's file
-    holds; :class:`aiayn.Translator` preprocesses such text itself)."""
-    if data.dataset == "files":
-        src, tgt = {"train": (data.train_src, data.train_tgt),
-                    "valid": (data.valid_src, data.valid_tgt)}.get(split, (None, None))
-        if not src or not tgt:
-            if split != "train":
-                return None
-            raise ConfigError("data.dataset = 'files' needs data.train_src and data.train_tgt")
-        return load_parallel(src, tgt)
-    names = {"multi30k": {"train": "train", "valid": "val", "test": "test_2016_flickr"},
-             "wmt14-en-de": {"train": "train", "valid": "newstest2013", "test": "newstest2014"}}
-    if data.dataset not in names:
-        raise ConfigError(f"unknown dataset {data.dataset!r}; known: files, "
-                         f"{', '.join(names)}")
-    return load_dataset(data.dataset, names[data.dataset][split], data.src_lang, data.tgt_lang)
-
-
 # model fields a resumed run may change: they do not alter the shape or meaning of the weights
 RESUMABLE_MODEL_FIELDS = ("P_drop", "attention_dropout", "word_dropout")
 
@@ -122,7 +90,7 @@ def _initial_model(path: str | Path, config: Config, device: torch.device, log: 
     import dataclasses
 
     from aiayn.model import Transformer
-    from aiayn.translator import load_pretrained
+    from aiayn.pretrained import load_pretrained
 
     loaded = load_pretrained(path, device, log)
     if len(loaded.models) != 1:
@@ -191,7 +159,7 @@ def _dist_settings(config: Config | None, run_dir: Path, resume: bool,
     """The training settings that say how to join the process group, before it is joined: on
     ``resume`` the run's saved config with ``overrides`` (when it can be read; the resume's own
     checks report a missing or damaged one), else ``config``'s."""
-    saved = run_dir / "config.json"
+    saved = RunDir(run_dir).config
     if resume and saved.is_file():
         try:
             cfg = Config.from_dict(read_json_object(saved), source=str(saved))
@@ -249,10 +217,10 @@ def run_training(
     if resume:
         found = list_checkpoints(run_dir)
         if not found:
-            raise UserError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+            raise UserError(f"--resume: no checkpoint in {RunDir(run_dir).checkpoints}")
         resume_from = found[-1]
-        saved = Config.from_dict(read_json_object(run_dir / "config.json"),
-                                 source=str(run_dir / "config.json"))
+        saved = Config.from_dict(read_json_object(RunDir(run_dir).config),
+                                 source=str(RunDir(run_dir).config))
         config = saved.with_overrides(overrides) if overrides else saved  # e.g. more steps
         check_resume_overrides(saved, config, run_dir)
         vocab = Vocabulary.load(run_dir)
@@ -292,7 +260,7 @@ def run_training(
     if info.is_main:  # validated and restored: only now is anything written
         run_dir.mkdir(parents=True, exist_ok=True)
         vocab.save(run_dir)
-        write_json_atomic(run_dir / "config.json", config.to_dict())
+        write_json_atomic(RunDir(run_dir).config, config.to_dict())
         log(f"aiayn train: {len(train)} training pairs ({train.filtered} over "
             f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
@@ -308,7 +276,7 @@ def run_training(
                 "segmentation)")
         if config.train.ema_decay > 0:
             log(f"aiayn train: a moving average of the weights (decay {config.train.ema_decay}) "
-                f"goes to {run_dir / 'ema'} when training ends")
+                f"goes to {RunDir(run_dir).ema} when training ends")
         if config.train.late_dropout_start > 0:
             log(f"aiayn train: late dropout: no dropout until "
                 f"{config.train.late_dropout_start:.0%} of the budget is spent, then P_drop "
@@ -329,7 +297,7 @@ def run_training(
                     if config.train.decoupled_weight_decay else "an L2 term in Adam's gradient")
             log(f"aiayn train: weight decay {config.train.weight_decay}, {kind}")
         if resume_from is not None:
-            dropped = (f"; {trainer.metrics_dropped} metrics.jsonl line(s) of the steps after "
+            dropped = (f"; {trainer.metrics_dropped} {METRICS} line(s) of the steps after "
                        "it dropped, as they are trained again" if trainer.metrics_dropped else "")
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step}){dropped}")
     try:
