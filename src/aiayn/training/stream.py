@@ -117,7 +117,10 @@ class EpochStream:
         loader = torch.utils.data.DataLoader(
             _Padder(self), batch_sampler=_Positions(self, epoch, position),
             collate_fn=_first, num_workers=workers, pin_memory=self._pin,
-            prefetch_factor=2 if workers else None, persistent_workers=False)
+            prefetch_factor=2 if workers else None, persistent_workers=False,
+            # its own generator: starting a loader must not draw from the global RNG, whose
+            # state (dropout masks) a checkpoint restores
+            generator=torch.Generator())
         return iter(loader)
 
     def seek(self) -> None:
