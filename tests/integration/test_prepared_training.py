@@ -81,3 +81,15 @@ def test_resume_on_changed_data_is_refused_naming_the_change(tmp_path):
     run_training(None, tmp_path / "run", resume=True, overrides=["train.max_steps=9"],
                  progress=False, log=quiet)
     assert len(losses(tmp_path / "run")) == 9
+
+
+def test_a_resume_from_a_prepared_corpus_continues_the_same_batches(tmp_path):
+    """The loader's worker reads ahead; the position saved is the batch trained on."""
+    src, tgt = write_files(tmp_path)
+    cfg = config(src, tgt)
+    full = cfg.replace(train=replace(cfg.train, max_steps=9))
+    run_training(full, tmp_path / "full", progress=False, log=quiet)
+    run_training(cfg, tmp_path / "split", progress=False, log=quiet)  # 6 steps
+    run_training(None, tmp_path / "split", resume=True, overrides=["train.max_steps=9"],
+                 progress=False, log=quiet)
+    assert losses(tmp_path / "split") == losses(tmp_path / "full")
