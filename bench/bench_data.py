@@ -103,6 +103,40 @@ def data_memory(mode: str, a: Path, b: Path | None, vocab: Path, src_path: Path)
     return json.loads(m["out"].strip().splitlines()[-1])
 
 
+def data_wait(corpus, step_s: float, steps: int, workers: int = 1) -> dict:
+    """The training stream (its DataLoader with ``workers`` workers) against a stand-in step
+    of ``step_s`` seconds of sleep (an accelerator's step: the CPU is free meanwhile): the
+    share of wall time spent waiting for the next 25k-token batch, the first batch excluded
+    (the epoch's batching and the worker's start)."""
+    import torch
+
+    from aiayn.config import Config, DataConfig, TrainConfig
+    from aiayn.training import stream as stream_module
+    from aiayn.training.distributed import DistInfo
+    from aiayn.training.state import TrainState
+    from aiayn.training.stream import EpochStream
+
+    stream_module.loader_workers = lambda _device: workers
+
+    config = Config(data=DataConfig(max_tokens=25000), train=TrainConfig(seed=1))
+    stream = EpochStream(config, None, corpus, None, DistInfo())
+    state = TrainState()
+    cpu = torch.device("cpu")
+    t0 = time.perf_counter()
+    stream.next_batch(state, cpu)
+    first = time.perf_counter() - t0
+    waited = 0.0
+    t_all = time.perf_counter()
+    for _ in range(steps):
+        time.sleep(step_s)
+        t0 = time.perf_counter()
+        stream.next_batch(state, cpu)
+        waited += time.perf_counter() - t0
+    total = time.perf_counter() - t_all
+    return {f"first_batch_s_{workers}": first, f"data_wait_share_{workers}": waited / total,
+            "stand_in_step_s": step_s}
+
+
 def in_process_figures(prepared: Path, baseline_src: Path | None, samples: int) -> dict:
     """Batching an epoch and collating 25k-token batches, new (numpy, memory map) and, with
     ``baseline_src``, old (Python loop, lists), on the same lengths and rows."""
@@ -126,6 +160,8 @@ def in_process_figures(prepared: Path, baseline_src: Path | None, samples: int) 
         times.append(time.perf_counter() - t0)
     out["collate_median_ms"] = 1e3 * statistics.median(times)
     out["batch_tokens_median"] = int(statistics.median(int(tgt[b].sum()) for b in picked))
+    out.update(data_wait(corpus, step_s=0.1, steps=60, workers=1))
+    out.update(data_wait(corpus, step_s=0.1, steps=60, workers=0))
     if baseline_src is not None:
         spec = importlib.util.spec_from_file_location(
             "old_batching", baseline_src / "aiayn" / "data" / "batching.py")
@@ -249,6 +285,10 @@ def main() -> int:
               "of <= 25,000 tokens)")
         print(f"  collate a batch         {r['collate_median_ms']:8.2f} ms median "
               f"({r['batch_tokens_median']:,} target tokens)")
+        for w in (1, 0):
+            print(f"  data wait, {w} worker(s)  {100 * r[f'data_wait_share_{w}']:7.2f} % of a "
+                  f"{r['stand_in_step_s']:.1f} s stand-in step (first batch "
+                  f"{r[f'first_batch_s_{w}']:.2f} s)")
     if "train_old" in r:
         O, M = r["train_old"], r["data_old"]
         print(f"  OLD train, start to step 1  {O['s']:8.1f} s ({O['cpu_s']:.1f} CPU s)  peak "

@@ -83,8 +83,14 @@ def test_resume_on_changed_data_is_refused_naming_the_change(tmp_path):
     assert len(losses(tmp_path / "run")) == 9
 
 
-def test_a_resume_from_a_prepared_corpus_continues_the_same_batches(tmp_path):
-    """The loader's worker reads ahead; the position saved is the batch trained on."""
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_resume_from_a_prepared_corpus_continues_the_same_batches(tmp_path, monkeypatch,
+                                                                    workers):
+    """A loader's worker (an accelerator's way; forced here on the CPU) reads ahead; the
+    position saved is the batch trained on."""
+    from aiayn.training import stream
+
+    monkeypatch.setattr(stream, "loader_workers", lambda _device: workers)
     src, tgt = write_files(tmp_path)
     cfg = config(src, tgt)
     full = cfg.replace(train=replace(cfg.train, max_steps=9))

@@ -4,10 +4,10 @@ shard, and with ``data.bpe_dropout`` the pairs segmented anew every epoch. A pur
 the seed and the position, so a resumed run continues exactly where it stopped.
 
 The batches are padded by a :class:`torch.utils.data.DataLoader` over this process's batch list
-(its ``batch_sampler``): with a prepared (memory-mapped) corpus, in a worker process that keeps
-the next batches ready (:data:`LOADER_WORKERS`), in pinned memory on CUDA. Each batch comes
-tagged with its position, so the position a checkpoint saves is the batch trained on, never one
-the worker read ahead."""
+(its ``batch_sampler``): with a prepared (memory-mapped) corpus beside an accelerator, in a worker
+process that keeps the next batches ready (:func:`loader_workers`), in pinned memory on CUDA.
+Each batch comes tagged with its position, so the position a checkpoint saves is the batch
+trained on, never one the worker read ahead."""
 
 from __future__ import annotations
 
@@ -25,9 +25,13 @@ from aiayn.data.vocab import Vocabulary
 from aiayn.training.distributed import DistInfo
 from aiayn.training.state import TrainState
 
-# worker processes padding batches ahead of the step, for a memory-mapped corpus (a forked
-# worker shares its pages); an in-memory corpus is padded in the training process
-LOADER_WORKERS = 1
+
+def loader_workers(device: torch.device) -> int:
+    """Worker processes that pad a memory-mapped corpus's batches ahead of the step (a forked
+    worker shares the map's pages): one beside an accelerator, whose step leaves the host's
+    cores free; none on the CPU, whose step takes the cores a worker would use and lasts
+    seconds against a collate of about a millisecond (bench/bench_data.py measures both)."""
+    return 0 if device.type == "cpu" else 1
 
 
 class EpochStream:
@@ -113,7 +117,7 @@ class EpochStream:
         """(epoch, position, batch) from ``(epoch, position)`` on, through a DataLoader."""
         prepared = hasattr(self.train, "collate_rows") and self._dropped is None
         self._pin = device.type == "cuda"
-        workers = LOADER_WORKERS if prepared else 0
+        workers = loader_workers(device) if prepared else 0
         loader = torch.utils.data.DataLoader(
             _Padder(self), batch_sampler=_Positions(self, epoch, position),
             collate_fn=_first, num_workers=workers, pin_memory=self._pin,
