@@ -290,9 +290,9 @@ def main() -> int:
                   f"{r['stand_in_step_s']:.1f} s stand-in step (first batch "
                   f"{r[f'first_batch_s_{w}']:.2f} s)")
     if "train_old" in r:
-        O, M = r["train_old"], r["data_old"]
-        print(f"  OLD train, start to step 1  {O['s']:8.1f} s ({O['cpu_s']:.1f} CPU s)  peak "
-              f"RSS {O['rss_gb']:.2f} GB")
+        old, M = r["train_old"], r["data_old"]
+        print(f"  OLD train, start to step 1  {old['s']:8.1f} s ({old['cpu_s']:.1f} CPU s)  peak "
+              f"RSS {old['rss_gb']:.2f} GB")
         print(f"  OLD data memory         {M['steady_gb']:8.2f} GB held (peak RSS "
               f"{M['peak_gb']:.2f} GB)")
     if "old_batch_epoch_s" in r:
