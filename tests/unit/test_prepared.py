@@ -65,6 +65,9 @@ def test_prepared_pairs_are_the_in_memory_encoding(tmp_path, vocab, gz):
     assert m["counts"]["lines"] == len(SRC) and m["counts"]["kept"] == len(enc)
     assert m["vocabulary"]["fingerprint"] == vocab.fingerprint
     assert len(m["inputs"]["src"]["sha256"]) == 64
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "p").stat().st_mode & 0o777 == 0o777 & ~umask  # as mkdir makes it
 
 
 def test_multi30k_keeps_its_batches_and_tensors(data_dir, tmp_path):

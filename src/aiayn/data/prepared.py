@@ -358,6 +358,9 @@ def prepare(src: str | Path, tgt: str | Path, vocab: Any, out_dir: str | Path,
                         "(give an empty or new folder)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # as mkdir would make it (mkdtemp's 0700 hides it from others)
     try:
         manifest = _build(src, tgt, vocab, tmp, settings, chunk_pairs, log)
         _publish(tmp, out_dir)
