@@ -62,6 +62,10 @@ def test_a_prepared_folder_trains_as_its_raw_files_do(tmp_path):
     record = json.loads((tmp_path / "run" / RUN_DATA_FILE).read_text())
     assert record == {**record, "fingerprint": json.loads(
         (tmp_path / "raw" / RUN_DATA_FILE).read_text())["fingerprint"]}
+    for key, value in (("preprocess", "lc-norm-tok"), ("max_len", 16)):
+        bad = prepared.replace(data=replace(prepared.data, **{key: value}))
+        with pytest.raises(UserError, match=rf"prepared with {key}.*data\.{key}"):
+            run_training(bad, tmp_path / "run3", progress=False, log=quiet)
     other = Vocabulary.learn(["klm nop qrs"] * 20, 30, "bpe")
     other.save(tmp_path / "other")
     with pytest.raises(UserError, match="is not the one .* was prepared with"):

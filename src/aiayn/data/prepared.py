@@ -694,6 +694,26 @@ def prepare_for_training(src: Path, tgt: Path, vocab: Any, settings: Settings, i
     return corpus if corpus is not None else PreparedCorpus.open(folder)
 
 
+def check_settings(corpus: PreparedCorpus, data: Any) -> None:
+    """Refuse a prepared folder whose text or lengths are not what a DataConfig trains on.
+
+    Raises:
+        UserError: another ``preprocess`` or language (the model would learn other text than
+            it is given when translating), or a ``max_len`` above ``data.max_len``; naming
+            both values and the way out.
+    """
+    have = corpus.manifest["settings"]
+    for key in ("preprocess", "src_lang", "tgt_lang"):
+        if have[key] != getattr(data, key):
+            raise UserError(f"{corpus.directory}: prepared with {key} = {have[key]!r}, but "
+                            f"data.{key} = {getattr(data, key)!r}; prepare again with that "
+                            f"setting, or set data.{key}={have[key]}")
+    if have["max_len"] > data.max_len:
+        raise UserError(f"{corpus.directory}: prepared with max_len {have['max_len']}, above "
+                        f"data.max_len = {data.max_len}; prepare again with --max-len "
+                        f"{data.max_len}, or set data.max_len={have['max_len']}")
+
+
 def record_run_data(run_dir: str | Path, corpus: PreparedCorpus) -> None:
     """Write ``run_dir/data.json``: the fingerprint and identity of the data the run trains
     on (checked by :func:`check_run_data` on ``--resume``)."""

@@ -240,6 +240,7 @@ def training_data(config: Config, vocab: Any, vocab_path: str | Path | None, run
         if vocab is None:
             vocab = Vocabulary.load(vocab_path) if vocab_path else train.load_vocabulary()
         train.check_vocabulary(vocab, str(vocab_path) if vocab_path else "the vocabulary")
+        prep.check_settings(train, data)
     else:
         if (vocab is None and not vocab_path) or data.bpe_dropout > 0:
             text = load_split(data, "train")  # train_limit already applied
