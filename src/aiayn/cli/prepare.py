@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from aiayn.config import PREPROCESS_MODES, DataConfig
+
 HELP = ("Encode aligned training files with a vocabulary into a prepared folder of "
         "memory-mapped token ids (chunked: memory flat in corpus size); train with "
         "--set data.prepared=DIR. Running it again with unchanged inputs reuses the folder.")
@@ -20,11 +22,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="the prepared folder (written under a temporary name, renamed when "
                         "complete)")
-    p.add_argument("--src-lang", default="en", help="source language (for --preprocess)")
-    p.add_argument("--tgt-lang", default="de", help="target language (for --preprocess)")
-    p.add_argument("--preprocess", default="none", choices=("none", "lc-norm-tok"),
+    p.add_argument("--src-lang", default=DataConfig.src_lang,
+                   help="source language (data.src_lang)")
+    p.add_argument("--tgt-lang", default=DataConfig.tgt_lang,
+                   help="target language (data.tgt_lang)")
+    p.add_argument("--preprocess", default=DataConfig.preprocess, choices=PREPROCESS_MODES,
                    help="data.preprocess of the runs that will train on it")
-    p.add_argument("--max-len", type=int, default=256,
+    p.add_argument("--max-len", type=int, default=DataConfig.max_len,
                    help="drop pairs whose source or target + EOS exceed this many tokens "
                         "(data.max_len)")
     p.add_argument("--max-ratio", type=float, default=0.0,

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from aiayn.config import DataConfig
 from aiayn.data.corpus import decode_line
 from aiayn.data.vocab import EOS_ID, PAD_ID
 from aiayn.errors import DataError, UserError
@@ -77,10 +78,10 @@ class Settings:
         limit: > 0: only the first ``limit`` non-empty pairs (``data.train_limit``).
     """
 
-    src_lang: str = "en"
-    tgt_lang: str = "de"
-    preprocess: str = "none"
-    max_len: int = 256
+    src_lang: str = DataConfig.src_lang
+    tgt_lang: str = DataConfig.tgt_lang
+    preprocess: str = DataConfig.preprocess
+    max_len: int = DataConfig.max_len
     max_ratio: float = 0.0
     limit: int = 0
 
