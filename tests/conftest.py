@@ -12,6 +12,14 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Training prepares raw files into $AIAYN_CACHE_DIR/prepared (aiayn.data.prepared): in
+    tests, a folder of the session rather than the user's ~/.cache."""
+    if not os.environ.get("AIAYN_CACHE_DIR"):
+        os.environ["AIAYN_CACHE_DIR"] = str(tmp_path_factory.mktemp("aiayn-cache"))
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     """The shared data folder; tests that need it skip, saying why, when it is not set."""

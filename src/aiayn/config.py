@@ -157,6 +157,9 @@ class DataConfig:
     train_tgt: str | None = None
     valid_src: str | None = None
     valid_tgt: str | None = None
+    # a folder written by `aiayn prepare`: the training pairs are read from it (memory-mapped),
+    # not from the dataset's training files (aiayn.data.prepared)
+    prepared: str | None = None
     vocab_size: int = 8000  # subword vocabulary size learned by `aiayn vocab`
     vocab_kind: str = "bpe"  # "bpe" (EN-DE) or "wordpiece" (EN-FR), §5.1
     # "none": text as distributed (cased); "lc-norm-tok": lowercased, normalized and

@@ -20,6 +20,7 @@ A run directory ``RUN`` (:class:`RunDir`) of ``aiayn train``::
     RUN/best/                  the best on validation so far                     BEST
     RUN/ema/                   the moving average of the weights (ema_decay > 0) EMA
     RUN/train_summary.json     written when training ends                        TRAIN_SUMMARY
+    RUN/data.json              the prepared training data's fingerprint          DATA_RECORD
 
 ``aiayn average`` and the pipeline add::
 
@@ -51,7 +52,7 @@ from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 
 __all__ = ["WEIGHTS", "CONFIG", "TOKENIZER", "META", "TRAINING_STATE", "CHECKPOINTS", "AVERAGED",
-           "BEST", "EMA", "TRAIN_SUMMARY", "METRICS", "TENSORBOARD", "GENERATION_CONFIG",
+           "BEST", "EMA", "TRAIN_SUMMARY", "DATA_RECORD", "METRICS", "TENSORBOARD", "GENERATION_CONFIG",
            "GENERATION_FORMAT", "RESULTS", "CURVES", "ENSEMBLE", "NoModelError", "RunDir",
            "is_checkpoint",
            "list_checkpoints", "model_paths", "read_generation_config",
@@ -71,6 +72,7 @@ AVERAGED = "averaged"
 BEST = "best"
 EMA = "ema"
 TRAIN_SUMMARY = "train_summary.json"
+DATA_RECORD = "data.json"  # the fingerprint of the prepared data a run trains on
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tb"
 GENERATION_CONFIG = "generation_config.json"
@@ -160,6 +162,10 @@ class RunDir:
     @property
     def train_summary(self) -> Path:
         return self.path / TRAIN_SUMMARY
+
+    @property
+    def data_record(self) -> Path:
+        return self.path / DATA_RECORD
 
     @property
     def generation_config(self) -> Path:

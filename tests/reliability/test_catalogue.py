@@ -100,6 +100,21 @@ CASES = [
     C("params", "--set negative clip_norm", "params --set train.clip_norm=-1", "clip_norm"),
     C("params", "--set beta2 of 1", "params --set train.adam_beta2=1.0", "adam_beta2"),
     C("params", "--set NaN decode alpha", "params --set decode.alpha=nan", "alpha", "nan"),
+    # --- prepare -----------------------------------------------------------------------------
+    C("prepare", "missing --src file", "prepare --src {ws}/missing.txt --tgt {ws}/in.txt "
+      "--vocab {ws}/run -o {ws}/p", "{ws}/missing.txt"),
+    C("prepare", "files of different lengths", "prepare --src {ws}/in.txt --tgt {ws}/three.txt "
+      "--vocab {ws}/run -o {ws}/p", "{ws}/in.txt", "{ws}/three.txt"),
+    C("prepare", "invalid UTF-8", "prepare --src {ws}/latin1.txt --tgt {ws}/latin1.txt "
+      "--vocab {ws}/run -o {ws}/p", "{ws}/latin1.txt", "line 2"),
+    C("prepare", "a broken gzip file", "prepare --src {ws}/broken.gz --tgt {ws}/broken.gz "
+      "--vocab {ws}/run -o {ws}/p", "{ws}/broken.gz"),
+    C("prepare", "-o a folder of other files", "prepare --src {ws}/in.txt --tgt {ws}/in.txt "
+      "--vocab {ws}/run -o {ws}/folder", "{ws}/folder", "not a prepared corpus"),
+    C("prepare", "--vocab not a vocabulary", "prepare --src {ws}/in.txt --tgt {ws}/in.txt "
+      "--vocab {ws}/garbage.json -o {ws}/p", "{ws}/garbage.json"),
+    C("prepare", "--max-len 1", "prepare --src {ws}/in.txt --tgt {ws}/in.txt --vocab {ws}/run "
+      "--max-len 1 -o {ws}/p", "max_len", "1"),
     # --- vocab -------------------------------------------------------------------------------
     C("vocab", "nothing to learn from", "vocab -o {ws}/v", "--src"),
     C("vocab", "missing --src file", "vocab --src {ws}/missing.txt --tgt {ws}/in.txt -o {ws}/v",
@@ -141,6 +156,13 @@ CASES = [
     C("train", "--run-dir in a read-only place", "train --preset tiny --run-dir /proc/aiayn-run",
       "/proc/aiayn-run"),
     C("train", "unknown preset", "train --preset nosuch --run-dir {ws}/r", "nosuch"),
+    C("train", "data.prepared a folder of other files", "train --config {ws}/good.json "
+      "--run-dir {ws}/r --set data.prepared={ws}/folder", "{ws}/folder", "no manifest.json"),
+    C("train", "data.prepared truncated", "train --config {ws}/good.json --run-dir {ws}/r "
+      "--set data.prepared={ws}/truncprep", "{ws}/truncprep/tgt.ids.bin", "truncated"),
+    C("train", "data.prepared with another --vocab", "train --config {ws}/good.json "
+      "--run-dir {ws}/r --vocab {ws}/othervocab --set data.prepared={ws}/prep",
+      "{ws}/othervocab", "{ws}/prep"),
     C("train", "missing config file", "train --config {ws}/missing.json --run-dir {ws}/r",
       "{ws}/missing.json"),
     C("train", "corrupt JSON config", "train --config {ws}/bad.json --run-dir {ws}/r",
@@ -430,6 +452,15 @@ def ws(trained_run: Path, tmp_path_factory) -> Path:
     for key in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
         good["data"][key] = str(ws / "data" / Path(good["data"][key]).name)
     w("good.json", json.dumps(good))
+    from aiayn.data.prepared import prepare
+    from aiayn.data.vocab import Vocabulary
+
+    prepare(good["data"]["train_src"], good["data"]["train_tgt"], Vocabulary.load(ws / "run"),
+            ws / "prep")
+    shutil.copytree(ws / "prep", ws / "truncprep")
+    ids = ws / "truncprep" / "tgt.ids.bin"
+    ids.write_bytes(ids.read_bytes()[:-4])
+    Vocabulary.learn(["klm nop qrs tuv"] * 20, 40, "bpe").save(ws / "othervocab")
     # damaged copies
     shutil.copytree(ws / "run", ws / "badrun")
     (ws / "badrun" / "config.json").write_text("{")

@@ -165,3 +165,36 @@ def test_multi30k_epoch(data_dir, monkeypatch):
               for k in range(4)]
     assert len({len(s) for s in shards}) == 1
     assert_partition([b for s in shards for b in s], len(enc))
+
+
+def _greedy_reference(src, tgt, max_tokens, seed, epoch, shuffle):
+    """The batching loop as it was written first (one pair at a time, in Python): the numpy
+    cut must give exactly its batches, so every Multi30k figure keeps its batches."""
+    rng = np.random.default_rng([seed, epoch])
+    tiebreak = rng.random(len(src)) if shuffle else np.arange(len(src))
+    order = np.lexsort((tiebreak, src, tgt))
+    batches, current, max_src, max_tgt = [], [], 0, 0
+    for i in order.tolist():
+        s, t = int(src[i]), int(tgt[i])
+        rows = len(current) + 1
+        if current and (max(max_src, s) * rows > max_tokens or max(max_tgt, t) * rows > max_tokens):
+            batches.append(current)
+            current, max_src, max_tgt = [], 0, 0
+        current.append(i)
+        max_src, max_tgt = max(max_src, s), max(max_tgt, t)
+    batches.append(current)
+    if shuffle:
+        batches = [batches[j] for j in rng.permutation(len(batches))]
+    return batches
+
+
+@pytest.mark.parametrize("trial", range(40))
+def test_numpy_batching_gives_the_batches_of_the_reference_loop(trial):
+    rng = np.random.default_rng(trial)
+    n = int(rng.integers(1, 2000))
+    tgt = rng.integers(1, 100, n)
+    src = np.maximum(1, tgt + rng.integers(-40, 40, n)) if trial % 2 else rng.integers(1, 100, n)
+    max_tokens = int(rng.integers(max(src.max(), tgt.max()), 3000))
+    for shuffle in (True, False):
+        assert make_batches(src, tgt, max_tokens, seed=trial, epoch=2, shuffle=shuffle) == \
+            _greedy_reference(src, tgt, max_tokens, trial, 2, shuffle)

@@ -17,6 +17,7 @@ from aiayn.errors import UserError
 COMMANDS = {
     "pipeline": "aiayn.cli.pipeline",
     "vocab": "aiayn.cli.vocab",
+    "prepare": "aiayn.cli.prepare",
     "train": "aiayn.cli.train",
     "average": "aiayn.cli.average",
     "translate": "aiayn.cli.translate",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -85,7 +86,14 @@ def encode_corpus(vocab: Vocabulary, corpus: ParallelCorpus, max_len: int) -> En
     return out
 
 
-def make_batches(
+def make_batches(src_lengths: np.ndarray, tgt_lengths: np.ndarray, max_tokens: int,
+                 **kwargs: Any) -> list[list[int]]:
+    """:func:`make_batch_arrays` as lists of ints (same arguments, same batches)."""
+    return [b.tolist() for b in make_batch_arrays(src_lengths, tgt_lengths, max_tokens,
+                                                  **kwargs)]
+
+
+def make_batch_arrays(
     src_lengths: np.ndarray,
     tgt_lengths: np.ndarray,
     max_tokens: int,
@@ -95,7 +103,7 @@ def make_batches(
     shuffle: bool = True,
     num_shards: int = 1,
     shard_index: int = 0,
-) -> list[list[int]]:
+) -> list[np.ndarray]:
     """Group pair indices into batches of similar length, §5.1.
 
     Pairs are sorted by (target length, source length) with ties broken at random, cut greedily
@@ -115,7 +123,7 @@ def make_batches(
         num_shards, shard_index: this process's share of the batches.
 
     Returns:
-        This shard's batches, each a list of indices into the corpus.
+        This shard's batches, each an int64 array of indices into the corpus.
 
     Raises:
         ValueError: a pair longer than ``max_tokens`` (it could never fit), lengths of different
@@ -142,19 +150,7 @@ def make_batches(
     rng = np.random.default_rng([seed, epoch])
     tiebreak = rng.random(n) if shuffle else np.arange(n)
     order = np.lexsort((tiebreak, src_lengths, tgt_lengths))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    max_src = max_tgt = 0
-    for i in order.tolist():
-        s, t = int(src_lengths[i]), int(tgt_lengths[i])
-        rows = len(current) + 1
-        if current and (max(max_src, s) * rows > max_tokens or max(max_tgt, t) * rows > max_tokens):
-            batches.append(current)
-            current, max_src, max_tgt = [], 0, 0
-        current.append(i)
-        max_src, max_tgt = max(max_src, s), max(max_tgt, t)
-    if current:
-        batches.append(current)
+    batches = [order[a:b] for a, b in _cuts(src_lengths[order], tgt_lengths[order], max_tokens)]
     if num_shards > 1:
         batches = _split_to_multiple(batches, num_shards)
     if shuffle:
@@ -163,12 +159,37 @@ def make_batches(
     return batches[shard_index::num_shards]
 
 
-def _split_to_multiple(batches: list[list[int]], k: int) -> list[list[int]]:
+def _cuts(src: np.ndarray, tgt: np.ndarray, max_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of the greedy batches of pairs in the given order (targets ascending):
+    each batch is the longest run from its start whose rows x longest row stays within
+    ``max_tokens`` on each side. Both products only grow along a run, so the end is the
+    first position where one exceeds, found in numpy over a window of the rows the batch's
+    first target allows (one window per batch, no loop over pairs)."""
+    n = len(src)
+    src = src.astype(np.int64, copy=False)
+    tgt = tgt.astype(np.int64, copy=False)
+    out: list[tuple[int, int]] = []
+    start = 0
+    while start < n:
+        # targets ascend, so no batch from here holds more than max_tokens // tgt[start] rows
+        end = min(n, start + max_tokens // int(tgt[start]) + 1)
+        rows = np.arange(1, end - start + 1)
+        over = ((np.maximum.accumulate(src[start:end]) * rows > max_tokens)
+                | (np.maximum.accumulate(tgt[start:end]) * rows > max_tokens))
+        hit = int(over.argmax()) if over[-1] else end - start  # over is monotone
+        stop = start + max(1, hit)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def _split_to_multiple(batches: list[np.ndarray], k: int) -> list[np.ndarray]:
     """Split the largest batch in halves, fewer than ``k`` times, until the number of batches is
     a multiple of ``k``. Halves of a batch fit whatever the batch fit."""
     batches = list(batches)
     for _ in range(-len(batches) % k):
-        j = max(range(len(batches)), key=lambda i: len(batches[i]))
+        sizes = np.fromiter(map(len, batches), np.int64, len(batches))
+        j = int(sizes.argmax())  # the first of the largest, as max() took it
         b = batches[j]
         if len(b) < 2:  # found by the property tests: every batch is a single pair
             raise ValueError(f"{len(batches)} batches of one pair each cannot be dealt equally "
@@ -202,17 +223,30 @@ class Batch:
     def src_tokens(self) -> int:
         return int((self.src != PAD_ID).sum())
 
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(self.src.to(device), self.tgt_in.to(device), self.tgt_out.to(device),
-                     self.indices)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(self.src.to(device, non_blocking=non_blocking),
+                     self.tgt_in.to(device, non_blocking=non_blocking),
+                     self.tgt_out.to(device, non_blocking=non_blocking), self.indices)
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked memory (``torch.utils.data.DataLoader(pin_memory=True)``
+        calls it), for asynchronous copies to a GPU."""
+        return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(),
+                     self.tgt_out.pin_memory(), self.indices)
 
 
-def collate(corpus: EncodedCorpus, indices: list[int], *, start_id: int) -> Batch:
-    """Pad the pairs ``indices`` of ``corpus`` into a :class:`Batch` (int64 tensors on CPU).
+def collate(corpus: Any, indices: Any, *, start_id: int) -> Batch:
+    """Pad the pairs ``indices`` of ``corpus`` (an :class:`EncodedCorpus`, or a
+    :class:`~aiayn.data.prepared.PreparedCorpus`, whose slices are read from its memory map)
+    into a :class:`Batch` (int64 tensors on CPU).
 
     The decoder's inputs are the targets shifted right behind ``start_id``, the model's
     ``config.decoder_start_id`` (BOS; pad in Marian models), the token every search starts
     from (§3: "offset by one position")."""
+    if hasattr(corpus, "collate_rows"):
+        src, tgt_in, tgt_out, index = corpus.collate_rows(indices, start_id)
+        return Batch(torch.from_numpy(src), torch.from_numpy(tgt_in), torch.from_numpy(tgt_out),
+                     index)
     srcs = [corpus.src[i] for i in indices]
     tgts = [corpus.tgt[i] for i in indices]
     B = len(indices)

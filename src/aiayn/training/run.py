@@ -14,7 +14,7 @@ from aiayn.checkpoint import list_checkpoints, recover_run_dir
 from aiayn.config import Config, TrainConfig, read_json_object
 from aiayn.data.batching import encode_corpus
 from aiayn.data.corpus import ParallelCorpus
-from aiayn.data.splits import load_split
+from aiayn.data.splits import load_split, split_paths
 from aiayn.data.vocab import Vocabulary
 from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
 from aiayn.errors import UserError
@@ -134,17 +134,17 @@ def check_resume_overrides(saved: Config, resumed: Config, run_dir: Path) -> Non
                             f"shape in a new --run-dir (not {run_dir})")
 
 
-def _check_trainable(train: Any, corpus: ParallelCorpus, data: Any) -> None:
+def _check_trainable(train: Any, pairs: int, dropped_empty: int, where: str,
+                     data: Any) -> None:
     """Fail at once, saying why, when no training batch can exist (instead of a loop that
-    never finds one)."""
-    where = corpus.name
-    if data.dataset == "files":
+    never finds one). ``pairs``: the non-empty pairs ``train`` was made from."""
+    if data.dataset == "files" and not data.prepared:
         where = f"{data.train_src} and {data.train_tgt}"
-    if len(corpus) == 0:
+    if pairs == 0:
         raise UserError(f"{where}: no training pairs (every line pair is empty: "
-                        f"{corpus.dropped_empty} dropped)")
+                        f"{dropped_empty} dropped)")
     if len(train) == 0:
-        raise UserError(f"{where}: none of the {len(corpus)} training pairs fits "
+        raise UserError(f"{where}: none of the {pairs} training pairs fits "
                         f"data.max_len={data.max_len} tokens (source or target + EOS); "
                         "raise data.max_len")
     longest = int(max(train.src_lengths().max(), train.tgt_lengths().max()))
@@ -167,6 +167,66 @@ def _dist_settings(config: Config | None, run_dir: Path, resume: bool,
         except UserError:
             pass
     return config.train if config is not None else TrainConfig()
+
+
+def training_data(config: Config, vocab: Any, vocab_path: str | Path | None, run_dir: Path,
+                  resume: bool, info: Any, log: Any) -> tuple[Any, Any, ParallelCorpus | None]:
+    """(vocabulary, training pairs, their text) of a run: the pairs as a memory-mapped
+    :class:`~aiayn.data.prepared.PreparedCorpus`, read from ``data.prepared`` or prepared
+    from the raw files into the cache (:func:`~aiayn.data.prepared.prepare_for_training`);
+    with ``data.bpe_dropout`` encoded in memory with their text (re-segmented every epoch).
+
+    Without ``vocab`` or ``vocab_path`` the vocabulary is the prepared folder's, or is learned
+    from the training text by the main process (the others read its file). A resumed run
+    must train on the data its ``data.json`` names.
+
+    Raises:
+        UserError: no usable pair, a vocabulary that does not match the prepared ids, data
+            that changed since the run started (naming what changed).
+    """
+    from aiayn.data import prepared as prep
+
+    data = config.data
+    text = None
+    if data.prepared:
+        train = prep.PreparedCorpus.open(data.prepared)
+        if data.bpe_dropout > 0:
+            raise UserError(f"data.prepared = {data.prepared}: BPE-dropout re-segments the "
+                            "text every epoch; train on the raw files for data.bpe_dropout")
+        if vocab is None:
+            vocab = Vocabulary.load(vocab_path) if vocab_path else train.load_vocabulary()
+        train.check_vocabulary(vocab, str(vocab_path) if vocab_path else "the vocabulary")
+        prep.check_settings(train, data)
+    else:
+        if (vocab is None and not vocab_path) or data.bpe_dropout > 0:
+            text = load_split(data, "train")  # train_limit already applied
+            if len(text) == 0:
+                _check_trainable([], 0, text.dropped_empty, text.name, data)
+        if vocab is None:
+            if vocab_path:
+                vocab = Vocabulary.load(vocab_path)
+            elif info.is_main:
+                vocab = Vocabulary.learn(text.src + text.tgt, data.vocab_size, data.vocab_kind)
+            if info.world_size > 1:  # one process learns, the others read its file
+                if info.is_main:
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    vocab.save(run_dir)
+                dist.barrier()
+                vocab = Vocabulary.load(run_dir)
+        if data.bpe_dropout > 0:
+            train = encode_corpus(vocab, text, data.max_len)
+            _check_trainable(train, len(text), text.dropped_empty, text.name, data)
+            return vocab, train, text
+        src, tgt = split_paths(data, "train")
+        settings = prep.Settings(data.src_lang, data.tgt_lang, data.preprocess, data.max_len,
+                                 limit=data.train_limit)
+        train = prep.prepare_for_training(src, tgt, vocab, settings, info, log)
+    counts = train.manifest["counts"]
+    _check_trainable(train, counts["lines"] - counts["empty"], counts["empty"], train.name,
+                     data)
+    if resume:
+        prep.check_run_data(run_dir, train)
+    return vocab, train, text
 
 
 def run_training(
@@ -231,38 +291,28 @@ def run_training(
     start_model = None
     if init_from is not None and not resume:
         start_model, config, vocab = _initial_model(init_from, config, dev, log)
-    train_corpus = load_split(config.data, "train")  # train_limit already applied
-    if len(train_corpus) == 0:
-        _check_trainable([], train_corpus, config.data)
-    valid_corpus = load_split(config.data, "valid")
-    if vocab is None:
-        if vocab_path:
-            vocab = Vocabulary.load(vocab_path)
-        elif info.is_main:
-            vocab = Vocabulary.learn(train_corpus.src + train_corpus.tgt,
-                                     config.data.vocab_size, config.data.vocab_kind)
-        if info.world_size > 1:  # one process learns, the others read its file
-            if info.is_main:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                vocab.save(run_dir)
-            dist.barrier()
-            vocab = Vocabulary.load(run_dir)
+    vocab, train, train_text = training_data(config, vocab, vocab_path, run_dir, resume, info,
+                                             log)
     if start_model is None and not resume:
         model_cfg = config.model.__class__(**{**config.model.__dict__,
                                               "vocab_size": len(vocab), "tgt_vocab_size": None})
         config = config.replace(model=model_cfg)
-    train = encode_corpus(vocab, train_corpus, config.data.max_len)
-    _check_trainable(train, train_corpus, config.data)
+    valid_corpus = load_split(config.data, "valid")
     valid_enc = encode_corpus(vocab, valid_corpus, config.data.max_len) if valid_corpus else None
     trainer = Trainer(config, run_dir, vocab, train, valid_corpus, valid_enc, dev,
-                      progress=progress, train_text=train_corpus, model=start_model,
+                      progress=progress, train_text=train_text, model=start_model,
                       resume_from=resume_from)
     if info.is_main:  # validated and restored: only now is anything written
         run_dir.mkdir(parents=True, exist_ok=True)
         vocab.save(run_dir)
         write_json_atomic(RunDir(run_dir).config, config.to_dict())
+        if hasattr(train, "manifest"):
+            from aiayn.data.prepared import record_run_data
+
+            record_run_data(run_dir, train)
+        dropped_empty = train_text.dropped_empty if train_text else train.dropped_empty
         log(f"aiayn train: {len(train)} training pairs ({train.filtered} over "
-            f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
+            f"{config.data.max_len} tokens dropped, {dropped_empty} empty dropped), "
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
             f"run dir {run_dir}")
         log(f"aiayn train: {trainer.precision.describe()}")
