@@ -3,6 +3,7 @@ and ``aiayn pipeline``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 from aiayn.checkpoint import list_checkpoints, recover_run_dir
-from aiayn.config import Config, read_json_object
+from aiayn.config import Config, batch_tokens_per_process, read_json_object
 from aiayn.data.batching import encode_corpus
 from aiayn.data.corpus import ParallelCorpus, load_dataset, load_parallel
 from aiayn.data.text import preprocess_corpus
-from aiayn.data.vocab import Vocabulary
+from aiayn.data.vocab import LearningSample, Vocabulary
 from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
 from aiayn.errors import ConfigError, UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
@@ -166,6 +167,48 @@ def check_resume_overrides(saved: Config, resumed: Config, run_dir: Path) -> Non
                             f"shape in a new --run-dir (not {run_dir})")
 
 
+def learn_vocabulary(corpus: ParallelCorpus, data: Any, log: Any = None) -> Vocabulary:
+    """The vocabulary a run learns from its training pairs: ``data.vocab_size`` tokens of
+    ``data.vocab_kind``, from at most ``data.vocab_sample_lines`` sentences
+    (:class:`~aiayn.data.vocab.LearningSample`); ``log`` (if given) says what it read."""
+    sample = LearningSample.from_corpus(corpus, data.vocab_sample_lines)
+    vocab = Vocabulary.learn(sample.batches(), data.vocab_size, data.vocab_kind)
+    if log is not None:
+        log(f"aiayn train: vocabulary of {len(vocab)} {data.vocab_kind} tokens, "
+            f"{sample.describe()}")
+    return vocab
+
+
+def check_same_vocabulary(vocab: Vocabulary) -> None:
+    """Under torchrun, where every process learned its own: refuse to train unless all learned
+    the same vocabulary (a collective: every process calls it).
+
+    Raises:
+        UserError: the fingerprints differ; the message says to learn it once with
+            ``aiayn vocab`` and pass ``--vocab``.
+    """
+    prints: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, vocab.fingerprint)
+    if len(set(prints)) > 1:  # every process sees all of them: all stop together
+        raise UserError("the processes learned different vocabularies from the training data; "
+                        "learn it once with `aiayn vocab --src FILE --tgt FILE --size N -o DIR` "
+                        "and pass --vocab DIR")
+
+
+def describe_global_batch(config: Config, world_size: int) -> str:
+    """One line for the run's start: the tokens of one update (§5.1's 25000 a side), as
+    processes x accumulation steps x each batch's ``data.max_tokens``."""
+    d, accum = config.data, config.train.accum_steps
+    total = world_size * accum * d.max_tokens
+    stated = ""
+    if d.global_max_tokens:
+        stated = (f" (data.global_max_tokens = {d.global_max_tokens}"
+                  + (", rounded down to a whole share)" if total != d.global_max_tokens
+                     else ")"))
+    return (f"global batch {world_size} process(es) x {accum} accumulation step(s) x "
+            f"{d.max_tokens} tokens = at most {total} tokens a side an update{stated}")
+
+
 def _check_trainable(train: Any, corpus: ParallelCorpus, data: Any) -> None:
     """Fail at once, saying why, when no training batch can exist (instead of a loop that
     never finds one)."""
@@ -222,6 +265,16 @@ def run_training(
     dev = choose_device(device, info.local_rank)
     check_output_dir(run_dir, "--run-dir")
     prepare_training_process(dev)
+    early_corpus = early_vocab = None
+    if info.world_size > 1 and not resume and init_from is None and not vocab_path:
+        # every process learns the vocabulary itself, before it joins the process group: the
+        # same sample gives the same vocabulary (checked below), and no process waits at a
+        # barrier, under the backend's timeout, while another one learns
+        assert config is not None
+        early_corpus = load_split(config.data, "train")
+        if len(early_corpus):
+            early_vocab = learn_vocabulary(early_corpus, config.data,
+                                           log if info.is_main else None)
     init_distributed(dev)  # the one place a process group is joined
     if info.is_main and run_dir.is_dir():
         for line in recover_run_dir(run_dir):
@@ -247,26 +300,26 @@ def run_training(
     start_model = None
     if init_from is not None and not resume:
         start_model, config, vocab = _initial_model(init_from, config, dev, log)
-    train_corpus = load_split(config.data, "train")  # train_limit already applied
+    train_corpus = early_corpus if early_corpus is not None else \
+        load_split(config.data, "train")  # train_limit already applied
     if len(train_corpus) == 0:
         _check_trainable([], train_corpus, config.data)
     valid_corpus = load_split(config.data, "valid")
     if vocab is None:
         if vocab_path:
             vocab = Vocabulary.load(vocab_path)
-        elif info.is_main:
-            vocab = Vocabulary.learn(train_corpus.src + train_corpus.tgt,
-                                     config.data.vocab_size, config.data.vocab_kind)
-        if info.world_size > 1:  # one process learns, the others read its file
-            if info.is_main:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                vocab.save(run_dir)
-            dist.barrier()
-            vocab = Vocabulary.load(run_dir)
+        else:
+            vocab = early_vocab or learn_vocabulary(train_corpus, config.data, log)
+            if info.world_size > 1:
+                check_same_vocabulary(vocab)
     if start_model is None and not resume:
         model_cfg = config.model.__class__(**{**config.model.__dict__,
                                               "vocab_size": len(vocab), "tgt_vocab_size": None})
         config = config.replace(model=model_cfg)
+    per_process = batch_tokens_per_process(config.data, info.world_size,
+                                           config.train.accum_steps)
+    if per_process != config.data.max_tokens:  # the run's config.json records what it used
+        config = config.replace(data=dataclasses.replace(config.data, max_tokens=per_process))
     train = encode_corpus(vocab, train_corpus, config.data.max_len)
     _check_trainable(train, train_corpus, config.data)
     valid_enc = encode_corpus(vocab, valid_corpus, config.data.max_len) if valid_corpus else None
@@ -282,6 +335,7 @@ def run_training(
             f"{config.data.max_len} tokens dropped, {train_corpus.dropped_empty} empty dropped), "
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
             f"run dir {run_dir}")
+        log(f"aiayn train: {describe_global_batch(config, info.world_size)}")
         log(f"aiayn train: {trainer.precision.describe()}")
         if config.model.output_vocab == "target":  # the bias limit_output_vocab set
             bias = trainer.model.final_logits_bias
