@@ -274,9 +274,11 @@ def count_lines(path: str | Path) -> int:
 
     Raises:
         FileNotFoundError: no such file.
-        DataError: a broken gzip stream.
+        DataError: a folder, a broken gzip stream.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a text file")
     if not path.is_file():
         raise FileNotFoundError(f"file not found: {path}")
     lines, last = 0, b"\n"

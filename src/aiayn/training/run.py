@@ -265,6 +265,8 @@ def run_training(
     dev = choose_device(device, info.local_rank)
     check_output_dir(run_dir, "--run-dir")
     prepare_training_process(dev)
+    if config is not None:  # a global batch that cannot be shared out fails before any work
+        batch_tokens_per_process(config.data, info.world_size, config.train.accum_steps)
     early_corpus = early_vocab = None
     if info.world_size > 1 and not resume and init_from is None and not vocab_path:
         # every process learns the vocabulary itself, before it joins the process group: the
