@@ -30,7 +30,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -371,19 +370,24 @@ class LearningSample:
         if keep is not None:
             mask = np.zeros(self.total, dtype=bool)
             mask[keep] = True
-        every = max(1, math.ceil(self.chosen / max(1, self.check_lines // 2)))
+        chosen = self.total if keep is None else len(keep)
+        # the round-trip sample: check_lines // 2 chosen pairs, evenly spaced over them
+        to_check = np.zeros(chosen, dtype=bool)
+        if chosen and self.check_lines >= 2:
+            to_check[np.linspace(0, chosen - 1, min(chosen, self.check_lines // 2))
+                     .round().astype(np.int64)] = True
         self.used, self.dropped_empty, self.check = 0, 0, []
         src: list[str] = []
         tgt: list[str] = []
-        seen = 0  # chosen pairs so far
+        seen = -1  # position among the chosen pairs
         for i, (s, t) in enumerate(self.read_pairs()):
-            if mask is not None and (i >= self.total or not mask[i]):
+            if mask is not None and not mask[i]:
                 continue
             seen += 1
             if self.drop_empty and not (s and t):
                 self.dropped_empty += 1
                 continue
-            if seen % every == 0 and len(self.check) < self.check_lines:
+            if to_check[seen]:
                 self.check += (s, t)
             src.append(s)
             tgt.append(t)
