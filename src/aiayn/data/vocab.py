@@ -287,7 +287,9 @@ def count_lines(path: str | Path) -> int:
                 lines += block.count(b"\n")
                 last = block[-1:]
     except (OSError, EOFError, zlib.error) as err:
-        raise DataError(f"{path}: read failed ({err}); is it a complete gzip file?") from None
+        hint = "; is it a complete gzip file?" if path.suffix == ".gz" else ""
+        where = f" after line {lines}" if lines else ""  # lines are counted a block at a time
+        raise DataError(f"{path}: read failed{where} ({err}){hint}") from None
     return lines + (last != b"\n")
 
 
