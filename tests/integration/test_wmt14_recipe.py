@@ -105,3 +105,24 @@ def test_recipe_end_to_end_on_a_synthetic_slice(tmp_path: Path) -> None:
     assert scores["sentences"] == 40
     assert math.isfinite(scores["scores"]["sacrebleu"]["bleu"])
     assert math.isfinite(scores["scores"]["paper"]["bleu"])
+
+
+def test_global_batch_sets_each_batch_and_is_logged(tmp_path: Path) -> None:
+    """One process accumulating 2 batches under data.global_max_tokens = 2048: each batch is
+    1024 tokens a side, the run says so at start, and its config.json records the 1024."""
+    from aiayn.config import load_config
+    from aiayn.training.run import run_training
+
+    src, tgt = _synthetic().write_corpus(tmp_path / "raw", 200, types=2000, data_dir="")
+    config = load_config("tiny", ["data.dataset=files", f"data.train_src={src}",
+                                  f"data.train_tgt={tgt}", "data.global_max_tokens=2048",
+                                  "data.max_tokens=0", "data.vocab_size=300",
+                                  "train.accum_steps=2", "train.max_steps=2",
+                                  "train.checkpoint_every_steps=0", "train.eval_every_steps=100"])
+    lines: list[str] = []
+    run_training(config, tmp_path / "run", progress=False, log=lines.append)
+    assert ("aiayn train: global batch 1 process(es) x 2 accumulation step(s) x 1024 tokens = "
+            "at most 2048 tokens a side an update (data.global_max_tokens = 2048)") in lines
+    assert any("learned from all of 200 pairs" in line for line in lines)
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
+    assert (saved["max_tokens"], saved["global_max_tokens"]) == (1024, 2048)
