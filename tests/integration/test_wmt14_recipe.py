@@ -126,3 +126,26 @@ def test_global_batch_sets_each_batch_and_is_logged(tmp_path: Path) -> None:
     assert any("learned from all of 200 pairs" in line for line in lines)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
     assert (saved["max_tokens"], saved["global_max_tokens"]) == (1024, 2048)
+
+
+@pytest.mark.slow
+def test_pipeline_takes_a_test_set_as_files(tmp_path: Path, capsys) -> None:
+    """A dataset of files names no test split: ``--test-src``/``--test-tgt`` give it one (the
+    recipe's newstest2014), translated once and scored against its references."""
+    from aiayn.cli import main
+
+    synthetic = _synthetic()
+    src, tgt = synthetic.write_corpus(tmp_path, 300, types=2000, data_dir="")
+    dev = synthetic.write_corpus(tmp_path, 20, stem="dev", seed=2, types=2000, data_dir="")
+    test = synthetic.write_corpus(tmp_path, 25, stem="test", seed=3, types=2000, data_dir="")
+    sets = ["data.dataset=files", f"data.train_src={src}", f"data.train_tgt={tgt}",
+            f"data.valid_src={dev[0]}", f"data.valid_tgt={dev[1]}", "data.vocab_size=300",
+            "train.max_steps=6", "train.checkpoint_every_steps=3", "train.eval_every_steps=6"]
+    code = main(["pipeline", "--preset", "tiny", "--run-dir", str(tmp_path / "run"),
+                 "--no-progress", "--json", "--average", "2", "--test-src", str(test[0]),
+                 "--test-tgt", str(test[1]), *[a for s in sets for a in ("--set", s)]])
+    assert code == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["test_set"] == "test.en" and math.isfinite(results["sacrebleu_bleu"])
+    hyps = (tmp_path / "run" / "test.hyp.de").read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == 25
