@@ -92,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
     t2 = time.perf_counter()
     check = vocab.round_trip(sample.check, examples=3)
     t_check = time.perf_counter() - t2
+    # pairs: the corpus's, less those found with an empty side (only the sample's are looked
+    # at); pairs_used: those learned from
     result = {
         "path": str(path), "kind": vocab.kind, "size": len(vocab), "requested_size": args.size,
-        "corpus": name, # pairs: the corpus's, less those found with an empty side (only a
-        # sample's are looked at); pairs_used: those learned from
-        "pairs": sample.total - sample.dropped_empty, "pairs_used": sample.used,
+        "corpus": name, "pairs": sample.total - sample.dropped_empty, "pairs_used": sample.used,
         "sample_lines": sample_lines, "dropped_empty": dropped,
         "round_trip_exact": check.exact, "round_trip_total": check.total,
         "round_trip_rate": check.rate, "fingerprint": vocab.fingerprint,
