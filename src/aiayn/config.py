@@ -165,23 +165,68 @@ class DataConfig:
     # "none": text as distributed (cased); "lc-norm-tok": lowercased, normalized and
     # Moses-tokenized as the Multi30k literature scores it (aiayn.data.text)
     preprocess: str = "none"
-    max_tokens: int = 4096  # tokens per batch on each side, per process, §5.1 used ~25000
+    # tokens per batch on each side, per process and per accumulation step, §5.1 used ~25000
+    # in all; 0: derived from global_max_tokens (see batch_tokens_per_process)
+    max_tokens: int = 4096
+    # > 0: the tokens of one update on each side, over all processes and accumulation steps
+    # (the paper's 25000, §5.1), stated once for any world size: each process's batches get
+    # global_max_tokens // (processes x train.accum_steps); then max_tokens must be 0 or that
+    global_max_tokens: int = 0
     max_len: int = 256  # pairs longer than this (subword tokens, either side) are dropped
     train_limit: int = 0  # use only the first N training pairs (smoke runs); 0: all
+    # the vocabulary is learned from at most this many sentences: both sides of pairs drawn
+    # once with a fixed seed (aiayn.data.vocab.sample_pair_indices); 0: all. Marian's default
+    vocab_sample_lines: int = 2_000_000
     # > 0: BPE-dropout (Provilkov et al. 2020; not in the paper): every epoch segments the
     # training text anew, skipping each BPE merge with this probability (aiayn.data.bpe_dropout)
     bpe_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "vocab_size", "max_tokens", "max_len")
-        _non_negative(self, "train_limit")
+        _positive(self, "vocab_size", "max_len")
+        _non_negative(self, "train_limit", "max_tokens", "global_max_tokens",
+                      "vocab_sample_lines")
+        if self.max_tokens == 0 and self.global_max_tokens == 0:
+            raise ConfigError("DataConfig.max_tokens = 0 (derived from the global batch) needs "
+                              "data.global_max_tokens > 0")
+        if self.vocab_sample_lines == 1:
+            raise ConfigError("DataConfig.vocab_sample_lines = 1: a sample takes both sides of a "
+                              "pair, so give at least 2 (or 0 for all)")
         _choice(self, "vocab_kind", ("bpe", "wordpiece"))
         _choice(self, "preprocess", PREPROCESS_MODES)
         _probability(self, "bpe_dropout")
         if self.bpe_dropout > 0 and self.vocab_kind != "bpe":
             raise ConfigError(f"DataConfig.bpe_dropout needs vocab_kind 'bpe', not "
                              f"{self.vocab_kind!r}")
+
+
+def batch_tokens_per_process(data: DataConfig, world_size: int, accum_steps: int) -> int:
+    """Each process's ``max_tokens`` (a side, a micro-batch), the rule in one place.
+
+    Without ``data.global_max_tokens`` it is ``data.max_tokens``. With it, one update is
+    ``global_max_tokens`` tokens a side over ``world_size`` processes and ``accum_steps``
+    accumulation steps, so each batch gets ``global_max_tokens // (world_size x accum_steps)``
+    (rounded down: the update is never larger than stated). ``data.max_tokens`` must then be 0
+    (derived) or that same number.
+
+    Raises:
+        ConfigError: ``max_tokens`` and ``global_max_tokens`` disagree (both values, the
+            processes and accumulation steps named), or the share is under one token.
+    """
+    if data.global_max_tokens == 0:
+        return data.max_tokens
+    share = world_size * accum_steps
+    per = data.global_max_tokens // share
+    if per < 1:
+        raise ConfigError(f"data.global_max_tokens={data.global_max_tokens} over {world_size} "
+                          f"process(es) x train.accum_steps={accum_steps} leaves no token a batch")
+    if data.max_tokens not in (0, per):
+        raise ConfigError(
+            f"data.max_tokens={data.max_tokens} and data.global_max_tokens="
+            f"{data.global_max_tokens} disagree: over {world_size} process(es) x "
+            f"train.accum_steps={accum_steps} the global batch gives {per} tokens a batch; "
+            "state one of them (--set data.max_tokens=0 lets the global decide)")
+    return per
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,10 @@ CASES = [
       "--set train.max_steps=-1", "max_steps", "-1"),
     C("train", "unknown dataset", "train --config {ws}/good.json --run-dir {ws}/r "
       "--set data.dataset=nosuch", "nosuch"),
+    C("train", "the base preset without its training data", "train --preset base "
+      "--run-dir {ws}/r", "docs/wmt14.md"),
+    C("train", "max_tokens against global_max_tokens", "train --preset tiny --run-dir {ws}/r "
+      "--set data.global_max_tokens=4096", "data.max_tokens=1024", "global_max_tokens=4096"),
     C("train", "files dataset without files", "train --preset tiny --run-dir {ws}/r "
       "--set data.dataset=files", "data.train_src"),
     C("train", "missing training file", "train --config {ws}/good.json --run-dir {ws}/r " +
@@ -339,6 +343,8 @@ CASES = [
     C("pipeline", "a dataset without a test split", "pipeline --preset tiny --run-dir {ws}/p "
       "--set data.dataset=files --set data.train_src={ws}/in.txt "
       "--set data.train_tgt={ws}/in.txt", "data.dataset='files'"),
+    C("pipeline", "--test-src without --test-tgt", "pipeline --preset tiny --run-dir {ws}/p "
+      "--test-src {ws}/in.txt", "--test-tgt"),
     C("pipeline", "--run-dir an existing file", "pipeline --preset tiny --run-dir {ws}/in.txt",
       "{ws}/in.txt"),
     C("pipeline", "--device cuda without a GPU", "pipeline --preset tiny --run-dir {ws}/p "

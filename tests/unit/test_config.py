@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from aiayn.config import (
     Config,
+    ConfigError,
     DataConfig,
     DecodeConfig,
     ModelConfig,
     TrainConfig,
+    batch_tokens_per_process,
     load_config,
     preset_names,
 )
@@ -75,7 +78,32 @@ def test_base_preset_is_the_paper_base_model():
     assert (m.vocab_size, m.share_embeddings, m.positional, m.norm) == \
         (37000, True, "sinusoidal", "post")  # §3.4, §3.5, §3.1
     assert (d.beam_size, d.alpha, d.max_len_a, d.max_len_b) == (4, 0.6, 1.0, 50)  # §6.1
-    assert cfg.data.max_tokens == 25000 and t.max_steps == 100_000 and t.keep_last == 5
+    assert t.max_steps == 100_000 and t.keep_last == 5
+    # §5.1's ~25000 tokens a side is one update's, however many processes share it
+    assert (cfg.data.global_max_tokens, cfg.data.max_tokens) == (25000, 0)
+    assert batch_tokens_per_process(cfg.data, 1, 1) == 25000
+    assert batch_tokens_per_process(cfg.data, 8, 1) == 3125
+
+
+def test_global_batch_is_shared_out_over_processes_and_accumulation():
+    d = DataConfig(global_max_tokens=25000, max_tokens=0)
+    assert [batch_tokens_per_process(d, w, a) for w, a in ((1, 1), (2, 2), (4, 1), (1, 4))] == \
+        [25000, 6250, 6250, 6250]
+    assert batch_tokens_per_process(d, 3, 1) == 8333  # rounded down: never above the global
+    # a per-process figure that agrees is accepted (a resumed run's config.json holds one)
+    assert batch_tokens_per_process(replace(d, max_tokens=3125), 8, 1) == 3125
+    assert batch_tokens_per_process(DataConfig(max_tokens=2048), 8, 4) == 2048  # no global
+    with pytest.raises(ConfigError, match=r"data.max_tokens=2048 and "
+                                          r"data.global_max_tokens=25000 disagree: over 2 "
+                                          r"process\(es\) x train.accum_steps=1 the global batch "
+                                          r"gives 12500"):
+        batch_tokens_per_process(replace(d, max_tokens=2048), 2, 1)
+    with pytest.raises(ConfigError, match="leaves no token"):
+        batch_tokens_per_process(DataConfig(global_max_tokens=3, max_tokens=0), 2, 2)
+    with pytest.raises(ConfigError, match="max_tokens = 0 .* needs data.global_max_tokens"):
+        DataConfig(max_tokens=0)
+    with pytest.raises(ConfigError, match="vocab_sample_lines"):
+        DataConfig(vocab_sample_lines=-1)
 
 
 @pytest.mark.parametrize("name", sorted(TABLE3_ROWS))

@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the threads shared out, seeds train.seed ... train.seed + N - 1, one "
                         "vocabulary) and translate with their ensemble: their next-token "
                         "probabilities averaged (default 1: one model)")
+    p.add_argument("--test-src", metavar="FILE",
+                   help="the test set's source side, line-aligned with --test-tgt (plain or "
+                        ".gz), e.g. newstest2014.en; needed where the dataset names no test "
+                        "split (data.dataset = files), else it replaces that split")
+    p.add_argument("--test-tgt", metavar="FILE", help="the test set's references")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a config field (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run")
@@ -63,6 +68,21 @@ def _ensemble_summary(members: list[dict[str, Any]]) -> dict[str, Any]:
             "valid_bleu": None}
 
 
+def _test_split(args: argparse.Namespace, d: Any) -> tuple[Any, Any]:
+    """The test pairs (as the model reads them, and as distributed): ``--test-src`` and
+    ``--test-tgt`` when given, else the dataset's own test split ((None, None) for none)."""
+    from aiayn.data.corpus import load_parallel
+    from aiayn.data.text import preprocess_corpus
+    from aiayn.data.splits import load_raw_split, load_split
+
+    if bool(args.test_src) != bool(args.test_tgt):
+        raise UserError("--test-src and --test-tgt go together")
+    if args.test_src:
+        raw = load_parallel(args.test_src, args.test_tgt)
+        return preprocess_corpus(raw, d.src_lang, d.tgt_lang, d.preprocess), raw
+    return load_split(d, "test"), load_raw_split(d, "test")
+
+
 def _tok_reference(dataset: str, tgt_lang: str) -> Path | None:
     from aiayn.data.corpus import data_dir
 
@@ -80,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from aiayn.config import load_config
-    from aiayn.data.splits import load_raw_split, load_split
+    from aiayn.data.splits import load_split
     from aiayn.devices import choose_device
     from aiayn.evaluation.bleu import (chrf_score, corpus_bleu, multi30k_tok_bleu,
                                        multi30k_tokenize, sacrebleu_scores)
@@ -113,10 +133,11 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.preset, overrides)
     d = config.data
     run_dir = Path(args.run_dir or f"runs/{d.dataset}-{d.src_lang}-{d.tgt_lang}")
-    test = load_split(d, "test")  # fail early, before training, if the test set is missing
+    # fail early, before training, if the test set is missing
+    test, raw_test = _test_split(args, d)
     if test is None or len(test) == 0:
-        raise UserError(f"aiayn pipeline needs a named dataset with a test split, not "
-                         f"data.dataset={d.dataset!r}; use aiayn train / average / evaluate")
+        raise UserError(f"aiayn pipeline needs a test set: data.dataset={d.dataset!r} names "
+                        "none, so give --test-src FILE --test-tgt FILE")
     found_members = members_found(run_dir)
     if args.resume and found_members and args.ensemble != found_members:
         raise UserError(f"{run_dir} holds an ensemble of {found_members} members: resume it "
@@ -210,7 +231,6 @@ def run(args: argparse.Namespace) -> int:
     # the run directory becomes the model it reports: these members, this search
     record_choice(run_dir, choice, dc, precision=decode_precision, data=d)
     final = Translator.from_pretrained(run_dir, device=device)
-    raw_test = load_raw_split(d, "test")
     say(f"[3/4] translating {len(test)} test sentences: beam {chosen.beam_size}, alpha {alpha}, "
         f"max length input + {chosen.max_len_b} (the model {run_dir} now loads as)")
     t1 = time.monotonic()
@@ -227,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
         scores = sacrebleu_scores(hyps, test.tgt)
     results: dict[str, Any] = {
         "dataset": d.dataset, "direction": f"{d.src_lang}-{d.tgt_lang}", "preset": config.name,
-        "test_set": "test_2016_flickr" if d.dataset == "multi30k" else "test",
+        "test_set": (Path(args.test_src).name if args.test_src else
+                     "test_2016_flickr" if d.dataset == "multi30k" else "test"),
         "parameters": summary["parameters"], "train_steps": summary["steps"],
         "train_epochs": summary["epochs"], "train_wall_s": round(summary["elapsed_s"], 1),
         "pipeline_wall_s": None, "decode_wall_s": round(decode_s, 1),
@@ -256,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
             {k: m.get(k) for k in ("run_dir", "seed", "steps", "epochs", "target_tokens",
                                    "valid_nll", "valid_bleu", "cpu_steal_pct", "precision")}
             for m in members])
-    if d.dataset == "multi30k":
+    if d.dataset == "multi30k" and not args.test_src:
         ref_tok = _tok_reference(d.dataset, d.tgt_lang)
         if ref_tok is not None:
             refs, ref_name = read_ref_lines(ref_tok), str(ref_tok)

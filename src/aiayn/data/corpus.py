@@ -315,9 +315,9 @@ def wmt14_paths(split: str, src_lang: str, tgt_lang: str) -> tuple[Path, Path]:
             to get them).
     """
     if split == "train":
-        raise ValueError("wmt14-en-de has no training data here (only newstest2013 and "
-                         "newstest2014); train on your own aligned files instead (dataset "
-                         "'files' with train_src/train_tgt)")
+        raise ConfigError("wmt14-en-de has no training data here (only newstest2013/2014): "
+                          "download and clean it as docs/wmt14.md says, then train on it with "
+                          "data.dataset=files, data.train_src and data.train_tgt")
     if split not in WMT14_SPLITS:
         raise ValueError(f"unknown wmt14-en-de split {split!r}; known: "
                          f"{', '.join(WMT14_SPLITS)}")

@@ -147,15 +147,14 @@ def prepare_table3(base: Config, out_dir: str | Path,
                    log: Callable[[str], None] = print) -> Path:
     """``out_dir/vocab``: the one vocabulary every row shares, learned from the base preset's
     training data unless it is there already. Returns its folder."""
-    from aiayn.data.vocab import Vocabulary
+    from aiayn.data.vocab import learn_vocabulary
     from aiayn.data.splits import load_split
 
     vocab_dir = Path(out_dir) / "vocab"
     if not (vocab_dir / TOKENIZER).is_file():
         log(f"table3: learning a {base.data.vocab_size}-token {base.data.vocab_kind} vocabulary")
         train = load_split(base.data, "train")  # its first train_limit pairs when set
-        Vocabulary.learn(train.src + train.tgt, base.data.vocab_size,
-                         base.data.vocab_kind).save(vocab_dir)
+        learn_vocabulary(train, base.data).save(vocab_dir)
     return vocab_dir
 
 

@@ -148,9 +148,9 @@ def train_members(
 
     from aiayn.checkpoint import list_checkpoints
     from aiayn.config import load_config
-    from aiayn.data.vocab import Vocabulary
-    from aiayn.fileio import write_json_atomic
     from aiayn.data.splits import load_split
+    from aiayn.data.vocab import learn_vocabulary
+    from aiayn.fileio import write_json_atomic
 
     if n < 2:
         raise UserError(f"an ensemble needs at least 2 members, got {n}")
@@ -167,11 +167,15 @@ def train_members(
         layout.write_members(n)  # written before the first member starts
     vocab_path = layout.tokenizer
     if not (resume and vocab_path.is_file()):  # learned once: every member shares it
-        corpus = load_split(config.data, "train")
-        log(f"aiayn pipeline: learning the shared vocabulary ({config.data.vocab_size} "
-            f"{config.data.vocab_kind}) for {n} ensemble members")
-        Vocabulary.learn(corpus.src + corpus.tgt, config.data.vocab_size,
-                         config.data.vocab_kind).save(run_dir)
+        if config.data.prepared:  # the one the token ids were made with
+            from aiayn.data.prepared import PreparedCorpus
+
+            PreparedCorpus.open(config.data.prepared).load_vocabulary().save(run_dir)
+        else:
+            corpus = load_split(config.data, "train")
+            log(f"aiayn pipeline: learning the shared vocabulary ({config.data.vocab_size} "
+                f"{config.data.vocab_kind}) for {n} ensemble members")
+            learn_vocabulary(corpus, config.data).save(run_dir)
     threads = threads or max(1, torch.get_num_threads() // n)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     procs: list[subprocess.Popen] = []

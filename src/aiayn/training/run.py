@@ -3,6 +3,7 @@ and ``aiayn pipeline``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,11 @@ import torch
 import torch.distributed as dist
 
 from aiayn.checkpoint import list_checkpoints, recover_run_dir
-from aiayn.config import Config, TrainConfig, read_json_object
+from aiayn.config import Config, TrainConfig, batch_tokens_per_process, read_json_object
 from aiayn.data.batching import encode_corpus
 from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.splits import load_split, split_paths
-from aiayn.data.vocab import Vocabulary
+from aiayn.data.vocab import Vocabulary, learn_vocabulary
 from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
 from aiayn.errors import UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
@@ -134,6 +135,36 @@ def check_resume_overrides(saved: Config, resumed: Config, run_dir: Path) -> Non
                             f"shape in a new --run-dir (not {run_dir})")
 
 
+def check_same_vocabulary(vocab: Vocabulary) -> None:
+    """Under torchrun, where every process learned its own: refuse to train unless all learned
+    the same vocabulary (a collective: every process calls it).
+
+    Raises:
+        UserError: the fingerprints differ; the message says to learn it once with
+            ``aiayn vocab`` and pass ``--vocab``.
+    """
+    prints: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(prints, vocab.fingerprint)
+    if len(set(prints)) > 1:  # every process sees all of them: all stop together
+        raise UserError("the processes learned different vocabularies from the training data; "
+                        "learn it once with `aiayn vocab --src FILE --tgt FILE --size N -o DIR` "
+                        "and pass --vocab DIR")
+
+
+def describe_global_batch(config: Config, world_size: int) -> str:
+    """One line for the run's start: the tokens of one update (§5.1's 25000 a side), as
+    processes x accumulation steps x each batch's ``data.max_tokens``."""
+    d, accum = config.data, config.train.accum_steps
+    total = world_size * accum * d.max_tokens
+    stated = ""
+    if d.global_max_tokens:
+        stated = (f" (data.global_max_tokens = {d.global_max_tokens}"
+                  + (", rounded down to a whole share)" if total != d.global_max_tokens
+                     else ")"))
+    return (f"global batch {world_size} process(es) x {accum} accumulation step(s) x "
+            f"{d.max_tokens} tokens = at most {total} tokens a side an update{stated}")
+
+
 def _check_trainable(train: Any, pairs: int, dropped_empty: int, where: str,
                      data: Any) -> None:
     """Fail at once, saying why, when no training batch can exist (instead of a loop that
@@ -170,15 +201,19 @@ def _dist_settings(config: Config | None, run_dir: Path, resume: bool,
 
 
 def training_data(config: Config, vocab: Any, vocab_path: str | Path | None, run_dir: Path,
-                  resume: bool, info: Any, log: Any) -> tuple[Any, Any, ParallelCorpus | None]:
+                  resume: bool, info: Any, log: Any, early_text: ParallelCorpus | None = None,
+                  early_vocab: Vocabulary | None = None
+                  ) -> tuple[Any, Any, ParallelCorpus | None]:
     """(vocabulary, training pairs, their text) of a run: the pairs as a memory-mapped
     :class:`~aiayn.data.prepared.PreparedCorpus`, read from ``data.prepared`` or prepared
     from the raw files into the cache (:func:`~aiayn.data.prepared.prepare_for_training`);
     with ``data.bpe_dropout`` encoded in memory with their text (re-segmented every epoch).
 
     Without ``vocab`` or ``vocab_path`` the vocabulary is the prepared folder's, or is learned
-    from the training text by the main process (the others read its file). A resumed run
-    must train on the data its ``data.json`` names.
+    from a sample of the training text (:func:`learn_vocabulary`); under torchrun every
+    process has learned it before joining the group (``early_text``, ``early_vocab``) and
+    all must agree (:func:`check_same_vocabulary`). A resumed run must train on the data its
+    ``data.json`` names.
 
     Raises:
         UserError: no usable pair, a vocabulary that does not match the prepared ids, data
@@ -199,20 +234,17 @@ def training_data(config: Config, vocab: Any, vocab_path: str | Path | None, run
         prep.check_settings(train, data)
     else:
         if (vocab is None and not vocab_path) or data.bpe_dropout > 0:
-            text = load_split(data, "train")  # train_limit already applied
+            # train_limit already applied
+            text = early_text if early_text is not None else load_split(data, "train")
             if len(text) == 0:
                 _check_trainable([], 0, text.dropped_empty, text.name, data)
         if vocab is None:
             if vocab_path:
                 vocab = Vocabulary.load(vocab_path)
-            elif info.is_main:
-                vocab = Vocabulary.learn(text.src + text.tgt, data.vocab_size, data.vocab_kind)
-            if info.world_size > 1:  # one process learns, the others read its file
-                if info.is_main:
-                    run_dir.mkdir(parents=True, exist_ok=True)
-                    vocab.save(run_dir)
-                dist.barrier()
-                vocab = Vocabulary.load(run_dir)
+            else:
+                vocab = early_vocab or learn_vocabulary(text, data, log, "aiayn train")
+                if info.world_size > 1:
+                    check_same_vocabulary(vocab)
         if data.bpe_dropout > 0:
             train = encode_corpus(vocab, text, data.max_len)
             _check_trainable(train, len(text), text.dropped_empty, text.name, data)
@@ -265,6 +297,18 @@ def run_training(
     dev = choose_device(device, info.local_rank)
     check_output_dir(run_dir, "--run-dir")
     prepare_training_process(dev)
+    if config is not None:  # a global batch that cannot be shared out fails before any work
+        batch_tokens_per_process(config.data, info.world_size, config.train.accum_steps)
+    early_text = early_vocab = None
+    if (info.world_size > 1 and not resume and init_from is None and not vocab_path
+            and config is not None and not config.data.prepared):
+        # every process learns the vocabulary itself, before it joins the process group: the
+        # same sample gives the same vocabulary (checked in training_data), and no process
+        # waits at a barrier, under the backend's timeout, while another one learns
+        early_text = load_split(config.data, "train")
+        if len(early_text):
+            early_vocab = learn_vocabulary(early_text, config.data,
+                                           log if info.is_main else None, "aiayn train")
     tc = _dist_settings(config, run_dir, resume, overrides)
     init_distributed(dev, tc.dist_backend, tc.dist_timeout_s)  # the one place a group is joined
     if info.is_main and run_dir.is_dir():
@@ -291,8 +335,12 @@ def run_training(
     start_model = None
     if init_from is not None and not resume:
         start_model, config, vocab = _initial_model(init_from, config, dev, log)
+    per_process = batch_tokens_per_process(config.data, info.world_size,
+                                           config.train.accum_steps)
+    if per_process != config.data.max_tokens:  # the run's config.json records what it used
+        config = config.replace(data=dataclasses.replace(config.data, max_tokens=per_process))
     vocab, train, train_text = training_data(config, vocab, vocab_path, run_dir, resume, info,
-                                             log)
+                                             log, early_text, early_vocab)
     if start_model is None and not resume:
         model_cfg = config.model.__class__(**{**config.model.__dict__,
                                               "vocab_size": len(vocab), "tgt_vocab_size": None})
@@ -315,6 +363,7 @@ def run_training(
             f"{config.data.max_len} tokens dropped, {dropped_empty} empty dropped), "
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
             f"run dir {run_dir}")
+        log(f"aiayn train: {describe_global_batch(config, info.world_size)}")
         log(f"aiayn train: {trainer.precision.describe()}")
         if config.model.output_vocab == "target":  # the bias limit_output_vocab set
             bias = trainer.model.final_logits_bias
