@@ -29,6 +29,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
+from aiayn.model import kernels
+
 
 def _quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row of ``x`` (..., k), values in [-levels, levels]:
@@ -79,16 +81,36 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x8, x_scale = _quantize_rows(x.reshape(-1, shape[-1]).float())
+        rows = x.reshape(-1, shape[-1]).float()
+        x8, x_scale = _quantize_rows(rows)
         acc = torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
-        y = acc.float().mul_(x_scale).mul_(self.weight_scale)
-        if self.bias is not None:
-            y.add_(self.bias)
+        if kernels.usable(rows, kind="int8"):  # one pass instead of four, the same numbers
+            y = kernels.rescale(acc, x_scale, self.weight_scale, self.bias)
+        else:
+            y = acc.float().mul_(x_scale).mul_(self.weight_scale)
+            if self.bias is not None:
+                y.add_(self.bias)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8 weights and activations")
+
+
+def _fuse_self_attention(module: nn.Module) -> None:
+    """Give every self-attention of ``module`` one int8 map for W^Q, W^K and W^V
+    (``W_qkv``): their rows stacked, each keeping its own scale, so the outputs are the three
+    maps' bit for bit, and the shared input is quantized once."""
+    from aiayn.model.transformer import DecoderLayer, EncoderLayer
+
+    for layer in module.modules():
+        if isinstance(layer, (EncoderLayer, DecoderLayer)):
+            attn = layer.self_attn
+            maps = (attn.W_q, attn.W_k, attn.W_v)
+            bias = (None if any(m.bias is None for m in maps)
+                    else torch.cat([m.bias for m in maps]))
+            attn.W_qkv = Int8Linear(torch.cat([m.weight for m in maps]), bias)
+            del attn.W_q, attn.W_k, attn.W_v
 
 
 def _replace_linears(module: nn.Module) -> None:
@@ -99,19 +121,23 @@ def _replace_linears(module: nn.Module) -> None:
             _replace_linears(child)
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
+def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True) -> nn.Module:
     """An int8 inference copy of a :class:`~aiayn.model.Transformer` (see the module
     docstring), in eval mode, on the model's device. Decode with it as with the model.
 
     The embeddings stay float32; the output layer, tied to the target embedding (§3.4), gets
     an int8 copy of that matrix (``model.output_projection``), with ``final_logits_bias``
     (Marian) as its bias: a ``-inf`` placeholder bias keeps its zero probability. ``model``
-    itself, and its training mode, are left as they are.
+    itself, and its training mode, are left as they are. With ``fuse_qkv`` (the default)
+    each self-attention's W^Q, W^K and W^V become one map (same outputs, one quantization of
+    their shared input).
     """
     q = copy.deepcopy(model).eval()
     for p in q.parameters():
         p.requires_grad_(False)
     for stack in (q.encoder, q.decoder):
+        if fuse_qkv:
+            _fuse_self_attention(stack)
         _replace_linears(stack)
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     return q
