@@ -100,3 +100,20 @@ def test_prefix_lengths_only_for_right_padding():
     right = torch.tensor([[True, True, False], [True, True, True]])
     assert kernels.prefix_lengths(right).tolist() == [2, 3]
     assert kernels.prefix_lengths(torch.tensor([[False, True, True]])) is None
+
+
+def test_quantize_rows_and_the_fused_relu_are_torchs_numbers():
+    from aiayn.model.quantize import _quantize_rows
+
+    torch.manual_seed(3)
+    x = torch.randn(33, 96) * torch.logspace(-3, 3, 33)[:, None]
+    x[0, :6] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 127.0]) * (x[0].abs().max() / 127)
+    x[1] = 0.0
+    a8, a_scale = _quantize_rows(x)
+    b8, b_scale = kernels.quantize_rows(x)
+    assert torch.equal(a8, b8) and torch.equal(a_scale, b_scale)
+    linear = Int8Linear.from_linear(torch.nn.Linear(96, 40))
+    with torch.no_grad():
+        plain = linear(x)
+        linear.relu = True
+        assert torch.equal(linear(x), plain.clamp(min=0.0))

@@ -9,9 +9,9 @@ Why kernels and not torch ops (measured, ``base``, one thread): decoder attentio
 per (row, head) against at most a few dozen keys. ``scaled_dot_product_attention`` and
 ``torch.bmm`` run it as one or two tiny BLAS products per (row, head), about 0.35 µs of
 overhead each, thousands per step; the kernel here runs all of them in one call, 1.8-2.2x
-faster. An int8 linear map rescaled its int32 sums in four passes (cast, two scalings, the
-bias); :func:`rescale` takes one, twice as fast. (Quantizing the input in one numba pass was
-slower than torch's five vectorized ones, 48 against 39 µs for 128 x 512, so it stays torch.)
+faster. An int8 linear map took about nine passes over its activations in torch ops (absolute
+value, maximum, division, rounding, cast; cast, two scalings, the bias), and the FFN's relu
+one more; :func:`quantize_rows` and :func:`rescale` take three, with the same numbers.
 
 **Batch invariance.** :func:`attend` loops, for every query, over that query's own keys
 only: the real source tokens of its sentence (``key_len``), never the padding of its batch.
@@ -93,10 +93,36 @@ def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, s
                     ov[dd] = acc[dd]
 
 
+@_njit(fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _amax(xr):  # pragma: no cover - compiled
+    top = np.float32(0.0)
+    for c in range(xr.shape[0]):
+        top = max(top, abs(xr[c]))
+    return top
+
+
 @_njit()
-def _rescale(acc, x_scale, w_scale, bias, has_bias, out):  # pragma: no cover - compiled
-    # out = float(acc) * x_scale[r] * w_scale[o] (+ bias[o]), rounded in that order
+def _quantize_rows(x, levels, x8, scale):  # pragma: no cover - compiled
+    # x (M, K) float32 -> x8 (M, K) int8 and scale (M, 1) float32, torch's arithmetic exactly:
+    # scale = max(amax|x|, 1e-12) / levels, x8 = round_half_even(x / scale). |x / scale| <=
+    # levels < 2^22, where adding and subtracting 1.5 * 2^23 rounds half to even, as torch.round
+    # does, and vectorizes (a call to rint per element does not).
+    M, K = x.shape
+    magic = np.float32(12582912.0)
+    for r in range(M):
+        xr, qr = x[r], x8[r]
+        s = max(_amax(xr), np.float32(1e-12)) / np.float32(levels)
+        scale[r, 0] = s
+        for c in range(K):
+            qr[c] = np.int32((xr[c] / s + magic) - magic)
+
+
+@_njit()
+def _rescale(acc, x_scale, w_scale, bias, has_bias, relu, out):  # pragma: no cover - compiled
+    # out = float(acc) * x_scale[r] * w_scale[o] (+ bias[o]), rounded in that order (then
+    # max(0, .) with relu)
     M, O = acc.shape
+    zero = np.float32(0.0)
     for r in range(M):
         sx = x_scale[r, 0]
         ar, yr = acc[r], out[r]
@@ -106,9 +132,13 @@ def _rescale(acc, x_scale, w_scale, bias, has_bias, out):  # pragma: no cover - 
         else:
             for o in range(O):
                 yr[o] = (np.float32(ar[o]) * sx) * w_scale[o]
+        if relu:
+            for o in range(O):
+                yr[o] = max(yr[o], zero)
 
 
-#: The kernel families in use: "attention" (:func:`attend`) and "int8" (:func:`rescale`). Benchmarks remove one to measure what it gains.
+#: The kernel families in use: "attention" (:func:`attend`) and "int8" (:func:`quantize_rows`,
+#: :func:`rescale`). Benchmarks remove one to measure what it gains.
 ENABLED = {"attention", "int8"} if AVAILABLE else set()
 
 
@@ -155,13 +185,26 @@ def _storage(t: Tensor) -> np.ndarray:
     return t.as_strided((t.untyped_storage().nbytes() // 4,), (1,), 0).numpy()
 
 
-def rescale(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row of a float32 (M, K) ``x``: (int8 (M, K), float32 scales (M, 1)),
+    bit for bit what ``round(x / (max(amax|x|, 1e-12) / levels))`` gives in torch, in two
+    passes instead of five."""
+    x = x.contiguous()
+    x8 = torch.empty(x.shape, dtype=torch.int8)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32)
+    _quantize_rows(x.numpy(), levels, x8.numpy(), scale.numpy())
+    return x8, scale
+
+
+def rescale(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Tensor | None,
+            relu: bool = False) -> Tensor:
     """float32 (M, O) ``acc * x_scale * w_scale + bias`` from int32 ``acc`` (M, O), in one pass
     (``x_scale`` (M, 1), ``w_scale`` (O,), ``bias`` (O,) or None), rounded as torch's
-    ``acc.float().mul_(x_scale).mul_(w_scale).add_(bias)`` rounds."""
+    ``acc.float().mul_(x_scale).mul_(w_scale).add_(bias)`` rounds; then max(0, ·) with
+    ``relu`` (the FFN's, §3.3)."""
     out = torch.empty(acc.shape, dtype=torch.float32)
     b = bias if bias is not None else w_scale
-    _rescale(acc.numpy(), x_scale.numpy(), w_scale.numpy(), b.numpy(), bias is not None,
+    _rescale(acc.numpy(), x_scale.numpy(), w_scale.numpy(), b.numpy(), bias is not None, relu,
              out.numpy())
     return out
 
@@ -181,11 +224,12 @@ def warm_up() -> None:
     with torch.no_grad():
         q = torch.zeros(2, 1, 1, 4)
         attend(q, q.transpose(1, 2), q.transpose(1, 2), torch.ones(2, dtype=torch.long))
-        s = torch.ones(2, 1)
-        rescale(torch.ones(2, 3, dtype=torch.int32), s, torch.ones(3), torch.ones(3))
-        rescale(torch.ones(2, 3, dtype=torch.int32), s, torch.ones(3), None)
+        _, s = quantize_rows(torch.ones(2, 4))
+        for bias in (torch.ones(3), None):
+            for relu in (False, True):
+                rescale(torch.ones(2, 3, dtype=torch.int32), s, torch.ones(3), bias, relu)
 
 
-__all__ = ["AVAILABLE", "ENABLED", "attend", "prefix_lengths", "rescale", "usable",
+__all__ = ["AVAILABLE", "ENABLED", "attend", "prefix_lengths", "quantize_rows", "rescale", "usable",
            "warm_up"]
 

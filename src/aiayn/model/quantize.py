@@ -12,10 +12,17 @@ encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Lin
 
 No scale and no sum mixes rows (unlike per-tensor dynamic quantization, whose one activation
 scale is the batch's largest value), so each row's product is independent of its batch. The
-float parts around the products are not quite: attention over a batch padded to another length
-can round differently in the last bit, and int8 rounding can turn that into another token.
-Everything between the linear maps (embeddings, positions, LayerNorm, softmax, attention
-products, residuals, the caches) stays float32.
+float attention around the products runs in :func:`aiayn.model.kernels.attend` on the CPU,
+over each row's own keys in an order its own lengths fix, so it does not round differently
+when the batch is padded to another length: a sentence decodes to the same tokens alone or in
+any batch (``tests/unit/test_batch_invariance.py``). Everything between the linear maps
+(embeddings, positions, LayerNorm, softmax, attention products, residuals, the caches) stays
+float32.
+
+Around each product, the int32 sums are rescaled (and the bias added) in one pass
+(:func:`aiayn.model.kernels.rescale`), and each self-attention's W^Q, W^K and W^V are one
+map (``MultiHeadAttention.W_qkv``), so their shared input is quantized once: both give the
+same numbers as the separate maps and passes, bit for bit.
 
 The model itself is not changed; the copy shares nothing with it that training could move
 (its float weights are dropped, its int8 ones are buffers).
@@ -27,9 +34,11 @@ import copy
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.model import kernels
+from aiayn.model.transformer import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 
 
 def _quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
@@ -73,6 +82,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_int8", w8)
         self.register_buffer("weight_scale", scale.squeeze(1))  # (out,)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.relu = False  # max(0, y) after the bias (the FFN's first map: quantize_int8)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -82,14 +92,17 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        x8, x_scale = _quantize_rows(rows)
+        fused = kernels.usable(rows, kind="int8")  # 2 + 1 passes instead of 5 + 4 (+ relu)
+        x8, x_scale = kernels.quantize_rows(rows) if fused else _quantize_rows(rows)
         acc = torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
-        if kernels.usable(rows, kind="int8"):  # one pass instead of four, the same numbers
-            y = kernels.rescale(acc, x_scale, self.weight_scale, self.bias)
+        if fused:
+            y = kernels.rescale(acc, x_scale, self.weight_scale, self.bias, self.relu)
         else:
             y = acc.float().mul_(x_scale).mul_(self.weight_scale)
             if self.bias is not None:
                 y.add_(self.bias)
+            if self.relu:
+                y.clamp_(min=0.0)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -101,8 +114,6 @@ def _fuse_self_attention(module: nn.Module) -> None:
     """Give every self-attention of ``module`` one int8 map for W^Q, W^K and W^V
     (``W_qkv``): their rows stacked, each keeping its own scale, so the outputs are the three
     maps' bit for bit, and the shared input is quantized once."""
-    from aiayn.model.transformer import DecoderLayer, EncoderLayer
-
     for layer in module.modules():
         if isinstance(layer, (EncoderLayer, DecoderLayer)):
             attn = layer.self_attn
@@ -139,8 +150,16 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True) -> nn.Module:
         if fuse_qkv:
             _fuse_self_attention(stack)
         _replace_linears(stack)
+    for ffn in q.modules():  # the relu moves into W_1's rescaling pass
+        if isinstance(ffn, PositionwiseFeedForward) and ffn.activation is F.relu:
+            ffn.W_1.relu = True
+            ffn.activation = _identity
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     return q
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
 
 
 __all__ = ["Int8Linear", "quantize_int8"]
