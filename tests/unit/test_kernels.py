@@ -117,3 +117,38 @@ def test_quantize_rows_and_the_fused_relu_are_torchs_numbers():
         plain = linear(x)
         linear.relu = True
         assert torch.equal(linear(x), plain.clamp(min=0.0))
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_a_gathering_cache_gives_the_same_numbers_and_moves_no_keys(beam_size):
+    from test_search import SOURCES, encode_src, tiny_model  # tests/unit is on sys.path
+
+    from aiayn.decoding import CachedStep, beam_search
+
+    model = tiny_model(60, seed=3)
+    lens = torch.tensor([9, 4, 12, 6])
+    outs, buffers = [], []
+    for gather in (True, False):
+        with torch.no_grad():
+            memory, mask = encode_src(model, SOURCES)
+            step = CachedStep.start(model, memory, mask, 13)
+            assert step.cache.gather  # the CPU kernels' default
+            step.cache.gather = gather
+            step(torch.ones(4, dtype=torch.long))
+            step = step.select(torch.arange(4).repeat_interleave(2))
+            step(torch.ones(8, dtype=torch.long))
+            first = step.cache._k[0]
+            before = first.clone()
+            order = torch.tensor([1, 0, 3, 2, 4, 5, 7, 6])  # beams swap within sentences
+            moved = step.select(order).cache
+            # gathering: the buffers are untouched, only the table of rows changes
+            buffers.append(moved._k[0] is first and torch.equal(first, before)
+                           and moved.key_rows[:, 1].tolist() == order.tolist())
+            step = CachedStep.start(model, memory, mask, 13)
+            step.cache.gather = gather
+            outs.append(beam_search(step, lens, beam_size=beam_size, alpha=0.6,
+                                    nbest=beam_size))
+    assert buffers[0]
+    gathered, moved = outs
+    assert [[h.tokens for h in s] for s in gathered] == [[h.tokens for h in s] for s in moved]
+    assert [[h.score for h in s] for s in gathered] == [[h.score for h in s] for s in moved]

@@ -40,22 +40,24 @@ except ImportError:  # pragma: no cover - numba ships wheels for every platform 
 def _njit(**options):
     if numba is None:  # pragma: no cover
         return lambda f: f
-    return numba.njit(cache=True, nogil=True, **options)
+    return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
 
 
 @_njit(fastmath=True)
 def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, scale,
-            out):  # pragma: no cover - compiled
+            key_rows, out):  # pragma: no cover - compiled
     # q: flat (N, Tq, H, D) contiguous; k, v: flat storages, key (r, h, j) starting at
     # k_at[0] + r * k_at[1] + h * k_at[2] + j * k_at[3] (d contiguous), likewise v with v_at;
     # query row r attends to key row r // group, keys 0 .. key_len[r // group] - 1 (and, if
     # causal_from >= 0, only keys j <= causal_from + i for query i); out: flat (N, Tq, H, DV).
+    # With key_rows (N, Tk) non-empty, key j of query row r lies in key row key_rows[r, j].
     # Rows are taken as slices, whose indices numba knows are in range: that lets LLVM
     # vectorize the loops over d (with flat indices it did not, 8x slower).
     k0, kr_s, kh_s, kj_s, T = k_at[0], k_at[1], k_at[2], k_at[3], k_at[4]
     v0, vr_s, vh_s, vj_s = v_at[0], v_at[1], v_at[2], v_at[3]
     scores = np.empty(max(T, 1), np.float32)
     acc = np.empty(DV, np.float32)
+    by_row = key_rows.shape[0] > 0
     for r in range(N):
         kr = r // group
         n_all = key_len[kr]
@@ -67,6 +69,8 @@ def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, s
                 ko = k0 + kr * kr_s + hh * kh_s
                 top = np.float32(-3.0e38)
                 for j in range(n):
+                    if by_row:
+                        ko = k0 + key_rows[r, j] * kr_s + hh * kh_s
                     kv = k[ko + j * kj_s : ko + j * kj_s + D]
                     s = np.float32(0.0)
                     for dd in range(D):
@@ -84,6 +88,8 @@ def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, s
                 acc[:] = 0.0
                 for j in range(n):
                     w = scores[j] * inv
+                    if by_row:
+                        vo = v0 + key_rows[r, j] * vr_s + hh * vh_s
                     vv = v[vo + j * vj_s : vo + j * vj_s + DV]
                     for dd in range(DV):
                         acc[dd] += w * vv[dd]
@@ -146,11 +152,16 @@ def usable(*tensors: Tensor, kind: str = "attention") -> bool:
     """Whether the ``kind`` kernels (see :data:`ENABLED`) can run on ``tensors``: numba
     present, float32 on the CPU, no gradient wanted."""
     return (kind in ENABLED and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu")
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
 
 
+_NO_ROWS = np.zeros((0, 0), dtype=np.int64)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
-           causal_from: int = -1, scale: float | None = None) -> Tensor:
+           causal_from: int = -1, scale: float | None = None,
+           key_rows: Tensor | None = None) -> Tensor:
     """softmax(q k^T * scale) v (eq. 1), per query over its own keys only.
 
     Args:
@@ -163,6 +174,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
         causal_from: -1, or the position of query 0 among the keys: query i then sees keys
             0 .. causal_from + i only (decoder self-attention, §3.2.3).
         scale: default d_k ** -0.5.
+        key_rows: optional long (N, Tk): key j of query row r lies in row ``key_rows[r, j]``
+            of ``k`` and ``v`` (a gathering :class:`~aiayn.model.DecoderCache`'s
+            ``key_rows``); ``group`` is then 1.
 
     Returns:
         float32 (N, Tq, h, d_v): contiguous, so ``.view(N, Tq, h * d_v)`` is the input of W^O.
@@ -176,7 +190,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
     v_at = np.array([v.storage_offset(), *v.stride()[:3], v.shape[2]], dtype=np.int64)
     _attend(q.contiguous().view(-1).numpy(), N, Tq, H, D, _storage(k), k_at, _storage(v),
             v_at, DV, key_len.numpy(), group, causal_from,
-            np.float32(D**-0.5 if scale is None else scale), out.view(-1).numpy())
+            np.float32(D**-0.5 if scale is None else scale),
+            _NO_ROWS if key_rows is None else key_rows.contiguous().numpy(), out.view(-1).numpy())
     return out
 
 

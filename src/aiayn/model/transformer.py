@@ -188,6 +188,7 @@ class MultiHeadAttention(nn.Module):
         projected: Tensor | None = None,
         key_len: Tensor | None = None,
         causal_from: int = -1,
+        key_rows: Tensor | None = None,
     ) -> Tensor:
         """Attend from ``query`` (B, Tq, d_model) over projected keys and values.
 
@@ -208,6 +209,8 @@ class MultiHeadAttention(nn.Module):
                 a row's output does not depend on its batch's padding. ``mask`` and
                 ``is_causal`` are then not read: ``causal_from`` (-1, or the position of the
                 first query among the keys) says which keys each query may see.
+            key_rows: long (B, Tk): key j of row r lies in row ``key_rows[r, j]`` of ``kv``
+                (a gathering :class:`~aiayn.model.DecoderCache`; see its ``key_rows``).
 
         Returns:
             (B, Tq, d_model).
@@ -218,8 +221,13 @@ class MultiHeadAttention(nn.Module):
         if (key_len is not None and not self.record_weights and not self.training
                 and kernels.usable(q_flat, k, v)):
             out = kernels.attend(q_flat.reshape(B, Tq, self.h, self.d_k), k, v, key_len,
-                                 group=group, causal_from=causal_from)  # (B, Tq, h, d_v)
+                                 group=group, causal_from=causal_from,
+                                 key_rows=key_rows)  # (B, Tq, h, d_v)
             return self.W_o(out.view(B, Tq, self.h * self.d_v))
+        if key_rows is not None:  # the rows' own keys, gathered from where they lie
+            pos = torch.arange(key_rows.shape[1], device=key_rows.device)[None, :]
+            k = k.transpose(1, 2)[key_rows, pos].transpose(1, 2)
+            v = v.transpose(1, 2)[key_rows, pos].transpose(1, 2)
         q = self._split(q_flat, self.d_k)  # (B, h, Tq, d_k)
         if group > 1:  # (B, h, Tq, d_k) -> (B / G, h, G * Tq, d_k)
             q = (q.view(B // group, group, self.h, Tq, self.d_k).transpose(1, 2)
@@ -372,9 +380,10 @@ class DecoderLayer(nn.Module):
                                  k_offset=k_offset, device=x.device)
             self_len = None
             if cross_len is not None and self.window is None:  # every row holds all t_all
-                self_len = torch.full((kv[0].shape[0],), t_all, dtype=torch.long)
+                self_len = torch.full((x.shape[0],), t_all, dtype=torch.long)
             attn = self.self_attn(y, kv, mask, projected=q, key_len=self_len,
-                                  causal_from=cache.length if t_new > 1 else -1)
+                                  causal_from=cache.length if t_new > 1 else -1,
+                                  key_rows=cache.key_rows)
         x = self.res_self.outer(x, attn)
         y = self.res_cross.inner(x)
         group = 1 if cache is None else cache.group
@@ -613,8 +622,11 @@ class Transformer(nn.Module):
         positions to reserve (the longest output plus its start token, when known; the cache
         grows past it if needed)."""
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        return DecoderCache.start(cross, src_mask, window=self.config.attention_window,
-                                  capacity=capacity)
+        window = self.config.attention_window
+        # on the CPU kernels, beams reorder a table of rows, not their keys (DecoderCache)
+        gather = window is None and not self.training and kernels.usable(memory)
+        return DecoderCache.start(cross, src_mask, window=window, capacity=capacity,
+                                  gather=gather)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits for the position after ``tokens``, reusing and extending ``cache``.
