@@ -15,7 +15,9 @@ shared with other work, wall time measures the others as much as this; CPU time 
   (:func:`~aiayn.model.kernels.quantize_rows`, :func:`~aiayn.model.kernels.rescale`),
   ``fused qkv`` (one int8 map for W^Q, W^K, W^V), ``step 0`` (the first beam step on one row
   per sentence); ``no reorder`` (beams reorder a table of rows, not the cached keys; it needs
-  the attention kernel, so it is measured beside it);
+  the attention kernel, so it is measured beside it); ``weight layout`` (each int8 weight
+  stored as ``aiayn.model.quantize.weight_columns_first`` finds faster here, not always as
+  (out, in) rows);
 - ``all``: every lever, as decoding runs by default.
 
 It prints sentences per CPU second, the ratio to ``none``, the decoder row-steps and the share of sentences
@@ -87,7 +89,16 @@ def main() -> int:
     model = Transformer(cfg).eval()
     with torch.no_grad():  # peaked next-token distributions, as a trained model has
         model.tgt_embed.weight.mul_(4.0)
-    fused, separate = quantize_int8(model), quantize_int8(model, fuse_qkv=False)
+    from aiayn.model import quantize
+
+    probe = quantize.weight_columns_first
+    copies = {}
+    for layout in (True, False):
+        if not layout:  # every weight as round 3 stored it, (out, in) rows
+            quantize.weight_columns_first = lambda *shape: False
+        for fuse in (True, False):
+            copies[fuse, layout] = quantize_int8(model, fuse_qkv=fuse)
+        quantize.weight_columns_first = probe
     sources = encode_sources(vocab, lines, cfg.max_len)
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     batches = [pad_sources([sources[i] for i in order[s : s + args.batch_size]])
@@ -97,7 +108,7 @@ def main() -> int:
     def decode(levers: set[str]):
         kernels.ENABLED.clear()
         kernels.ENABLED.update({"attention", "int8"} & levers)
-        q = fused if "fused qkv" in levers else separate
+        q = copies["fused qkv" in levers, "weight layout" in levers]
         stats, out = DecodeStats(), []
         t = time.process_time()
         with torch.inference_mode():
@@ -117,10 +128,11 @@ def main() -> int:
                 out.extend(h.tokens for h in hyps)
         return time.process_time() - t, stats.row_steps, out
 
-    all_levers = {"attention", "int8", "fused qkv", "step 0", "no reorder"}
+    all_levers = {"attention", "int8", "fused qkv", "step 0", "no reorder", "weight layout"}
     configs = {"none": set(), "attention": {"attention"},
                "attention + no reorder": {"attention", "no reorder"},
-               "int8 passes": {"int8"}, "fused qkv": {"fused qkv"}, "all": all_levers}
+               "int8 passes": {"int8"}, "fused qkv": {"fused qkv"},
+               "weight layout": {"weight layout"}, "all": all_levers}
     if args.beam > 1:
         configs["step 0"] = {"step 0"}
     decode(all_levers)  # warm-up
