@@ -44,6 +44,9 @@ class DecoderCache:
         length: t, the positions decoded so far.
         window: r of restricted self-attention (§4): only the last r positions are kept;
             None keeps all.
+        gather: reorders move the table :attr:`key_rows`, not the keys (see the module
+            docstring); only without a window, and only for attention that reads it (the
+            model's CPU kernel; other paths gather the rows' keys with :meth:`gathered`).
     """
 
     def __init__(self, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor, *,

@@ -129,7 +129,10 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention, §3.2.2: Concat(head_1 … head_h) W^O, head_i = Attention(Q W_i^Q, …).
 
     d_k and d_v are free of d_model / h so that Table 3 rows (A) and (B) can be built.
-    The attention itself is eq. 1, run by ``F.scaled_dot_product_attention``.
+    The attention itself is eq. 1, run by ``F.scaled_dot_product_attention``; at inference on
+    the CPU, when the caller gives each row's key count (``key_len``: encoding, cached
+    decoding), by :func:`aiayn.model.kernels.attend`, one call for all rows and heads, each
+    query over its own keys only (faster, and independent of the batch's padding).
 
     Training on CPU also computes eq. 1 explicitly (:meth:`_attend_explicit`): at these
     sentence lengths (~10-30 tokens) it took 10-12% less of a ``multi30k`` step than
