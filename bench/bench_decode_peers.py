@@ -46,7 +46,6 @@ only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gzip
 import json
 import os

@@ -3,7 +3,8 @@
 Compiled by numba on first use and cached on disk (``cache=True``: in the package's
 ``__pycache__``, or numba's user-wide cache where that is read-only), so a second process
 loads them instead of compiling. Used only on CPU, in float32, without gradients; every caller
-keeps its torch path for the rest (and for a machine without numba: :data:`AVAILABLE`).
+keeps its torch path for the rest (and for a machine without numba, or with the environment
+variable ``AIAYN_NO_KERNELS=1``: :data:`AVAILABLE`).
 
 Why kernels and not torch ops (measured, ``base``, one thread): decoder attention is one query
 per (row, head) against at most a few dozen keys. ``scaled_dot_product_attention`` and
@@ -20,7 +21,6 @@ attention is the same bit for bit alone, in a batch of 16 or in the whole set.
 """
 
 from __future__ import annotations
-
 
 import os
 
@@ -127,19 +127,19 @@ def _quantize_rows(x, levels, x8, scale):  # pragma: no cover - compiled
 def _rescale(acc, x_scale, w_scale, bias, has_bias, relu, out):  # pragma: no cover - compiled
     # out = float(acc) * x_scale[r] * w_scale[o] (+ bias[o]), rounded in that order (then
     # max(0, .) with relu)
-    M, O = acc.shape
+    M, n_out = acc.shape
     zero = np.float32(0.0)
     for r in range(M):
         sx = x_scale[r, 0]
         ar, yr = acc[r], out[r]
         if has_bias:
-            for o in range(O):
+            for o in range(n_out):
                 yr[o] = (np.float32(ar[o]) * sx) * w_scale[o] + bias[o]
         else:
-            for o in range(O):
+            for o in range(n_out):
                 yr[o] = (np.float32(ar[o]) * sx) * w_scale[o]
         if relu:
-            for o in range(O):
+            for o in range(n_out):
                 yr[o] = max(yr[o], zero)
 
 
