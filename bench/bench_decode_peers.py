@@ -28,9 +28,19 @@ CTranslate2's ISA variants left out). On a CPU without AVX-512 the AVX512 varian
 would die of an illegal instruction), and on one without native bf16 so are the bf16 systems
 (emulated bf16 runs 5-45x slower than fp32 there).
 
-For each model size and search it prints sentences/s, the ratio to CTranslate2 int8 at its
-faster ISA, measured in the same run, and for aiayn's paths the share of sentences token-identical to aiayn
-fp32. On a shared machine, compare ratios within one run only.
+With ``--threads T`` >= 2, each engine also runs at its own best layout for T cores:
+CTranslate2 int8 with ``inter_threads=T, intra_threads=1`` (T one-thread translators over one
+model, fed by ``translate_iterable``: its parallelism docs' advice for throughput), and aiayn's
+default in T forked one-thread processes over the one model (``aiayn default Tx1``), each
+decoding every T-th batch.
+
+For each model size and search it prints sentences/s (wall time), sentences per CPU second
+(one-process rows: on a machine shared with other work, CPU time is the steadier figure), the
+ratio to CTranslate2 int8 at its best ISA and thread layout measured in the same run, the
+decoder row-steps of aiayn's searches (:class:`aiayn.decoding.DecodeStats`: rows fed to the
+decoder, summed over steps; CTranslate2 does not report its own), and for every path the share
+of sentences token-identical to aiayn fp32. On a shared machine, compare ratios within one run
+only.
 """
 
 from __future__ import annotations
@@ -110,22 +120,74 @@ def ct2_worker(args: argparse.Namespace) -> int:
     import ctranslate2
 
     batches = json.loads(Path(args.pieces).read_text(encoding="utf-8"))
+    inter = args.inter_threads
+    # inter_threads > 1: that many one-thread translators over one model, fed by
+    # translate_iterable (CTranslate2's own advice for throughput on several cores)
     translator = ctranslate2.Translator(args.ct2_model, device=args.device or "cpu",
                                         compute_type=args.compute_type,
-                                        intra_threads=args.threads, inter_threads=1)
+                                        intra_threads=args.threads // inter, inter_threads=inter)
     opts = dict(beam_size=args.beam, length_penalty=0.0, min_decoding_length=args.length + 1,
                 max_decoding_length=args.length + 1, max_batch_size=args.batch_size)
-    translator.translate_batch(batches[:8], **opts)  # warm-up
-    best, out = float("inf"), None
+
+    def run(sources):
+        if inter == 1:
+            return translator.translate_batch(sources, **opts)
+        return list(translator.translate_iterable(iter(sources), batch_type="examples",
+                                                  **opts))
+
+    run(batches[:8])  # warm-up
+    best, best_cpu, out = float("inf"), float("inf"), None
     for _ in range(args.repeat):
-        t = time.perf_counter()
-        out = translator.translate_batch(batches, **opts)
+        t, c = time.perf_counter(), time.process_time()
+        out = run(batches)
         best = min(best, time.perf_counter() - t)
+        best_cpu = min(best_cpu, time.process_time() - c)
     lengths = {len(r.hypotheses[0]) for r in out}
-    print(json.dumps({"seconds": best, "lengths": sorted(lengths),
+    print(json.dumps({"seconds": best, "cpu_seconds": best_cpu, "lengths": sorted(lengths),
                       "isa": os.environ.get("CT2_FORCE_CPU_ISA", "default"),
                       "tokens": [r.hypotheses[0] for r in out]}))
     return 0
+
+
+def _in_workers(translator, lines: list[str], workers: int, batch_size: int, options: dict):
+    """Decode ``lines`` (sorted longest first) in ``workers`` forked processes of one thread
+    each, sharing the parent's model; worker w takes batches w, w + workers, ... Returns the
+    results in input order and the summed :class:`DecodeStats`."""
+    import multiprocessing as mp
+
+    import torch
+
+    from aiayn.decoding import DecodeStats
+
+    parts = [[i for i in range(len(lines)) if (i // batch_size) % workers == w]
+             for w in range(workers)]
+
+    def child(w, conn):
+        torch.set_num_threads(1)
+        stats = DecodeStats()
+        out = translator.generate([lines[i] for i in parts[w]], stats=stats, **options)
+        conn.send((out, stats))
+        conn.close()
+
+    ctx = mp.get_context("fork")
+    pipes, procs = [], []
+    for w in range(workers):
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=child, args=(w, send))
+        proc.start()
+        pipes.append(recv)
+        procs.append(proc)
+    results: list = [None] * len(lines)
+    total = DecodeStats()
+    for w, recv in enumerate(pipes):
+        out, stats = recv.recv()
+        for i, r in zip(parts[w], out):
+            results[i] = r
+        total.calls += stats.calls
+        total.row_steps += stats.row_steps
+    for proc in procs:
+        proc.join()
+    return results, total
 
 
 def main() -> int:
@@ -154,6 +216,7 @@ def main() -> int:
     p.add_argument("--pieces", help=argparse.SUPPRESS)
     p.add_argument("--compute-type", help=argparse.SUPPRESS)
     p.add_argument("--beam", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--inter-threads", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.ct2_worker:
         return ct2_worker(args)
@@ -170,6 +233,7 @@ def main() -> int:
     from aiayn.config import load_config
     from aiayn.interop.ctranslate2 import export_ctranslate2
     from aiayn.interop.marian import import_hf
+    from aiayn.decoding import DecodeStats
     from aiayn.translator import Translator
     # CT2_FORCE_CPU_ISA=AVX512 on a CPU without AVX-512 dies of an illegal instruction: that
     # variant runs only where torch found AVX-512 (ATEN_CPU_CAPABILITY=avx2 simulates its absence)
@@ -237,48 +301,69 @@ def main() -> int:
             rows: dict[str, dict] = {}
             ref_tokens = None
 
-            def record(name, seconds, tokens_lists=None, **extra):
+            def record(name, seconds, tokens_lists=None, cpu_seconds=None, **extra):
                 row = {"model": size, "search": search, "system": name,
                        "sent_per_s": len(lines) / seconds, "seconds": seconds, **extra}
+                if cpu_seconds:
+                    row["sent_per_cpu_s"] = len(lines) / cpu_seconds
                 if tokens_lists is not None and ref_tokens is not None:
                     same = sum(a == b for a, b in zip(tokens_lists, ref_tokens))
                     row["identical_to_aiayn_fp32"] = same / len(lines)
                 rows[name] = row
-                print(f"  {size:>8} {search:>6} {name:<22} {row['sent_per_s']:8.1f} sent/s"
+                print(f"  {size:>8} {search:>6} {name:<24} {row['sent_per_s']:8.1f} sent/s"
+                      + (f" {row['sent_per_cpu_s']:8.1f} sent/CPU-s" if "sent_per_cpu_s" in row
+                         else " " * 20)
                       + (f"  identical {row['identical_to_aiayn_fp32']:.1%}"
-                         if "identical_to_aiayn_fp32" in row else ""), flush=True)
+                         if "identical_to_aiayn_fp32" in row else "")
+                      + (f"  row-steps {row['row_steps']}" if "row_steps" in row else ""),
+                      flush=True)
 
-            def run_aiayn(precision):
+            def run_aiayn(precision, workers=1):
                 """aiayn's product surface, as `aiayn translate` runs it: a Translator at
-                ``precision``."""
+                ``precision``; with ``workers`` > 1, that many forked one-thread processes
+                over the one model, each decoding every ``workers``-th batch (the same
+                batches as one process forms)."""
                 translator = Translator(model, vocab, config=config, device=device,
                                         precision=precision)
                 search = dict(beam_size=beam, alpha=0.0, max_len_a=0.0, max_len_b=args.length,
                               batch_size=args.batch_size, beam_rules="hf")
                 translator.generate(lines[:8], preprocessed=True, min_len=args.length,
                                     **search)  # warm-up (and the int8 copy, made once)
-                best, out = float("inf"), None
+                best, best_cpu, out, stats = float("inf"), float("inf"), None, None
                 for _ in range(args.repeat):
                     cuda_sync()
-                    t = time.perf_counter()
-                    out = translator.generate(lines, preprocessed=True, min_len=args.length,
-                                              **search)
+                    t, c = time.perf_counter(), time.process_time()
+                    if workers == 1:
+                        stats = DecodeStats()
+                        out = translator.generate(lines, preprocessed=True, min_len=args.length,
+                                                  stats=stats, **search)
+                    else:
+                        out, stats = _in_workers(translator, lines, workers, args.batch_size,
+                                                 dict(preprocessed=True, min_len=args.length,
+                                                      **search))
                     cuda_sync()
                     best = min(best, time.perf_counter() - t)
+                    best_cpu = min(best_cpu, time.process_time() - c)
                 assert all(len(r[0].tokens) == args.length + 1 for r in out), "lengths not fixed"
+                if workers > 1:  # the workers' CPU time is not this process's
+                    best_cpu = None
                 return best, [[vocab.output_pieces[i] for i in r[0].tokens[:-1]] for r in out], \
-                    translator.precision
+                    translator.precision, stats, best_cpu
 
-            seconds, ref_tokens, _ = run_aiayn("fp32")
-            record("aiayn fp32", seconds, ref_tokens)
+            seconds, ref_tokens, _, stats, cpu = run_aiayn("fp32")
+            record("aiayn fp32", seconds, ref_tokens, cpu, row_steps=stats.row_steps)
             for precision in ("bf16", "int8"):
                 if f"aiayn-{precision}" not in args.skip and not (on_gpu and precision == "int8"):
-                    seconds, toks, _ = run_aiayn(precision)
-                    record(f"aiayn {precision}", seconds, toks)
+                    seconds, toks, _, stats, cpu = run_aiayn(precision)
+                    record(f"aiayn {precision}", seconds, toks, cpu, row_steps=stats.row_steps)
             if "aiayn-default" not in args.skip:
-                seconds, toks, chosen = run_aiayn("auto")
-                record("aiayn default", seconds, toks, precision=chosen.chosen,
-                       precision_reason=chosen.reason)
+                seconds, toks, chosen, stats, cpu = run_aiayn("auto")
+                record("aiayn default", seconds, toks, cpu, precision=chosen.chosen,
+                       precision_reason=chosen.reason, row_steps=stats.row_steps)
+                if args.threads >= 2 and not on_gpu and "aiayn-workers" not in args.skip:
+                    seconds, toks, chosen, stats, cpu = run_aiayn("auto", workers=args.threads)
+                    record(f"aiayn default {args.threads}x1", seconds, toks,
+                           precision=chosen.chosen, row_steps=stats.row_steps)
             for dtype in ("fp32", "bf16"):
                 if f"hf-{dtype}" in args.skip:
                     continue
@@ -301,9 +386,15 @@ def main() -> int:
                         best = min(best, time.perf_counter() - t)
                 toks = [[tok.decoder[i] for i in row[1:-1]] for o in outs for row in o.tolist()]
                 record(f"hf {dtype}", best, toks)
-            for ct in ("float32", "int8"):
+            # CTranslate2 at intra_threads = T, and for int8 also at inter_threads = T (T
+            # one-thread translators), the better of which is its best setting on T cores
+            layouts = [("float32", 1), ("int8", 1)]
+            if args.threads >= 2 and not on_gpu:
+                layouts.append(("int8", args.threads))
+            for ct, inter in layouts:
                 for isa in isas:
-                    name = f"ct2 {'fp32' if ct == 'float32' else ct} {isa or 'default'}"
+                    name = (f"ct2 {'fp32' if ct == 'float32' else ct} {isa or 'default'}"
+                            + (f" {inter}x1" if inter > 1 else ""))
                     if f"ct2-{isa or 'default'}" in args.skip:
                         continue
                     env = {**os.environ, "CT2_VERBOSE": "1"}  # it logs the ISA it chose
@@ -314,28 +405,41 @@ def main() -> int:
                            str(ct2_dirs[ct]), "--pieces", str(pieces_file), "--compute-type",
                            ct, "--beam", str(beam), "--threads", str(args.threads),
                            "--length", str(args.length), "--batch-size", str(args.batch_size),
-                           "--repeat", str(args.repeat), "--device", device.type]
+                           "--repeat", str(args.repeat), "--device", device.type,
+                           "--inter-threads", str(inter)]
                     proc = subprocess.run(cmd, env=env, check=True, capture_output=True,
                                           text=True)
                     res = json.loads(proc.stdout)
                     used = re.search(r"Selected ISA: (\S+)", proc.stderr)
                     gemm = re.search(r"GEMM_S8 backend: (\S+)", proc.stderr)
                     record(name, res["seconds"], [t[:-1] for t in res["tokens"]],
+                           res["cpu_seconds"] if inter == 1 else None,
                            lengths=res["lengths"], ct2_isa=used.group(1) if used else None,
                            ct2_int8_gemm=gemm.group(1) if gemm else None)
-            # the peer to beat: CTranslate2 int8 at its faster ISA, measured in this run
+            # the peer to beat: CTranslate2 int8 at its best ISA and thread layout, in this run
             ct2_int8 = [r for name, r in rows.items() if name.startswith("ct2 int8")]
             ref = max(ct2_int8, key=lambda r: r["sent_per_s"]) if ct2_int8 else None
+            ref_cpu = max((r for r in ct2_int8 if "sent_per_cpu_s" in r),
+                          key=lambda r: r["sent_per_cpu_s"], default=None)
             for row in rows.values():
                 if ref:
                     row["x_ct2_int8_best"] = row["sent_per_s"] / ref["sent_per_s"]
+                if ref_cpu and "sent_per_cpu_s" in row:
+                    row["x_ct2_int8_best_cpu"] = row["sent_per_cpu_s"] / ref_cpu["sent_per_cpu_s"]
             results.extend(rows.values())
             if ref:
                 print(f"    CTranslate2 int8 used ISA {ref.get('ct2_isa')} (int8 products: "
                       f"{ref.get('ct2_int8_gemm')}) on the {info['cpu_class']}", flush=True)
-                print(f"    ratio to {ref['system']} (CTranslate2 int8 at its best ISA here): "
+                print(f"    ratio to {ref['system']} (CTranslate2 int8 at its best ISA and thread "
+                      "layout here), wall time: "
                       + ", ".join(f"{r['system']} {r['x_ct2_int8_best']:.2f}"
                                   for r in rows.values()), flush=True)
+            if ref_cpu:
+                print(f"    ratio to {ref_cpu['system']} per CPU second (the fair figure on a "
+                      "shared machine, one process): "
+                      + ", ".join(f"{r['system']} {r['x_ct2_int8_best_cpu']:.2f}"
+                                  for r in rows.values() if "x_ct2_int8_best_cpu" in r),
+                      flush=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({**info, "results": results}, indent=1),
                                        encoding="utf-8")

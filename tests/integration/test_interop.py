@@ -80,7 +80,9 @@ def test_import_computes_the_same_function(marian, sources):
         enc_hf = hf.model.encoder(**batch).last_hidden_state
         memory, src_mask = model.encode(pad_sources(ours))
         assert torch.equal(src_mask, batch.attention_mask.bool())
-        torch.testing.assert_close(memory[src_mask], enc_hf[src_mask], atol=1e-5, rtol=0)
+        # float32 rounding: aiayn's encoder attends in its CPU kernel (aiayn.model.kernels),
+        # Hugging Face's in SDPA; after 6 layers they differ by up to ~1.2e-5
+        torch.testing.assert_close(memory[src_mask], enc_hf[src_mask], atol=3e-5, rtol=0)
         # next-token logits along HF's greedy outputs, compared in HF's id order
         out, _ = _generate(hf, tok, sources, 1)
         logits_hf = hf(**batch, decoder_input_ids=out).logits
@@ -89,7 +91,7 @@ def test_import_computes_the_same_function(marian, sources):
         logits = model.decode(perm[out], memory, src_mask)[:, :, perm]
         live = torch.ones_like(out, dtype=torch.bool)
         live[:, 1:] = out[:, 1:] != tok.pad_token_id
-        torch.testing.assert_close(logits[live], logits_hf[live], atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits[live], logits_hf[live], atol=3e-5, rtol=0)
 
 
 @pytest.mark.parametrize("beams", [1, 4])

@@ -51,8 +51,9 @@ def test_quantize_int8_copies_and_leaves_the_model(model):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     linears = [m for m in q.modules() if isinstance(m, torch.nn.Linear)]
     assert linears == []  # every linear map of both stacks is int8
-    # encoder layer: W^Q, W^K, W^V, W^O, W_1, W_2; decoder layer: twice the attention; output
-    assert sum(isinstance(m, Int8Linear) for m in q.modules()) == (6 + 10) * model.config.N + 1
+    # encoder layer: W^QKV (one map), W^O, W_1, W_2; decoder layer: W^QKV, W^O, then
+    # encoder-decoder attention's W^Q, W^K, W^V, W^O, and W_1, W_2; the output layer
+    assert sum(isinstance(m, Int8Linear) for m in q.modules()) == (4 + 8) * model.config.N + 1
 
 
 def test_int8_logits_stay_close_and_agree_where_the_model_is_sure(model):

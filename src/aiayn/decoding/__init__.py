@@ -2,6 +2,7 @@
 
 from aiayn.decoding.search import (
     CachedStep,
+    DecodeStats,
     EnsembleStep,
     Hypothesis,
     SamplingConfig,
@@ -21,7 +22,7 @@ from aiayn.decoding.translate import (
 )
 
 __all__ = [
-    "CachedStep", "EnsembleStep", "Hypothesis", "InputTooLongError", "SamplingConfig",
+    "CachedStep", "DecodeStats", "EnsembleStep", "Hypothesis", "InputTooLongError", "SamplingConfig",
     "StepFunction",
     "Translation", "UncachedStep", "beam_search", "check_ensemble", "encode_sources",
     "greedy_search", "length_penalty", "max_output_lengths", "translate_nbest",

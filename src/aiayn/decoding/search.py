@@ -61,6 +61,26 @@ class Hypothesis:
     score: float
 
 
+@dataclass
+class DecodeStats:
+    """The decoder work a search did, summed over its calls (pass one to a search, or to
+    :func:`~aiayn.decoding.translate_nbest`, and read it afterwards).
+
+    Attributes:
+        calls: step-function calls (decoder steps, each over all live rows).
+        row_steps: rows fed to the decoder, summed over the calls: the unit of decoder work
+            (a beam search of K over B sentences and T steps makes at most B * K * T).
+    """
+
+    calls: int = 0
+    row_steps: int = 0
+
+    def count(self, rows: int) -> None:
+        """Book one decoder call over ``rows`` rows."""
+        self.calls += 1
+        self.row_steps += rows
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """Ancestral sampling instead of argmax (not used in the paper).
@@ -128,6 +148,7 @@ def greedy_search(
     *,
     min_len: int = 0,
     sampling: SamplingConfig | None = None,
+    stats: DecodeStats | None = None,
 ) -> list[Hypothesis]:
     """Pick the most likely token at each position (or sample one), for B sentences at once.
 
@@ -140,6 +161,7 @@ def greedy_search(
         min_len: EOS is banned before this many tokens (benchmarks use it to fix lengths).
         sampling: sample from the (temperature / top-k / top-p filtered) distribution instead
             of taking the argmax.
+        stats: where to count the decoder calls and row-steps, if given.
 
     Returns:
         One :class:`Hypothesis` per sentence, in input order (``score == log_prob``).
@@ -163,6 +185,8 @@ def greedy_search(
     history_rows: list[Tensor] = []
     t = 0
     while rows.numel() > 0:
+        if stats is not None:
+            stats.count(rows.numel())
         logp = _log_probs(step(tokens), t, lens, min_len)  # (n, V)
         if sampling is None:
             chosen = logp.argmax(dim=-1)
@@ -213,6 +237,7 @@ def beam_search(
     nbest: int = 1,
     min_len: int = 0,
     rules: str = "t2t",
+    stats: DecodeStats | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search with the length penalty of Wu et al. (2016), §6.1, for B sentences at once.
 
@@ -223,7 +248,9 @@ def beam_search(
     since log-probabilities only fall as tokens are added, and lp grows with length when
     alpha >= 0, a live hypothesis of raw score s can at best reach s / lp(max_len + 1)
     (the early termination of §6.1, as in tensor2tensor). Finished sentences leave the batch
-    (``step.select``), so mixed lengths cost no work on sentences already done.
+    (``step.select``), so mixed lengths cost no work on sentences already done. The first
+    step runs on one row per sentence (all K beams start from the same state), and only then
+    is each sentence's row copied to K.
 
     ``beam_size=1`` is beam search of width 1, not greedy search: an EOS among the 2 best
     extensions finishes a hypothesis while the best non-EOS one lives on (as in fairseq and
@@ -242,6 +269,7 @@ def beam_search(
             finishes a hypothesis. "hf" (Hugging Face ``generate``, fairseq): only those ranked
             among the K best do, and the EOS forced at the length limit costs nothing; with
             ``alpha=0`` (``length_penalty=0.0`` there) the outputs are ``generate``'s.
+        stats: where to count the decoder calls and row-steps, if given.
 
     Returns:
         For each sentence in input order, ``nbest`` hypotheses, best first (fewer only when
@@ -264,7 +292,6 @@ def beam_search(
     device = max_lens.device
     sentence = torch.arange(B, device=device)  # input index of each live sentence
     lens = max_lens.clone()  # (n,)
-    step = step.select(torch.arange(B, device=device).repeat_interleave(K))
     # live: raw log-prob sums (n, K); only beam 0 is alive before the first step
     live = torch.full((B, K), NEG_INF, device=device)
     live[:, 0] = 0.0
@@ -273,13 +300,17 @@ def beam_search(
     fin_logp = torch.full((B, K), NEG_INF, device=device)
     fin_tokens = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (n, K, t)
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
-    last = torch.full((B * K,), step.start_id, dtype=torch.long, device=device)
+    last = torch.full((B,), step.start_id, dtype=torch.long, device=device)  # one row each
     t = 0
     while True:
         n = live.shape[0]
-        row_lens = lens.repeat_interleave(K)
-        logp = _log_probs(step(last), t, row_lens, min_len, rules == "hf")  # (n*K, V)
+        if stats is not None:
+            stats.count(last.shape[0])
+        row_lens = lens.repeat_interleave(last.shape[0] // n)
+        logp = _log_probs(step(last), t, row_lens, min_len, rules == "hf")  # (n*K or n, V)
         V = logp.shape[-1]
+        if t == 0:  # one row per sentence: its beams 1..K-1 are not alive yet (-inf)
+            logp = torch.cat([logp[:, None], logp.new_full((n, K - 1, V), NEG_INF)], dim=1)
         cand = (live.unsqueeze(2) + logp.view(n, K, V)).view(n, K * V)
         top, idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K)
         beam, tok = idx // V, idx % V
@@ -309,7 +340,10 @@ def beam_search(
         # --- early termination, per sentence ------------------------------------------------
         bound = live[:, 0] / length_penalty((lens + 1).float(), alpha)  # best reachable score
         done = (fin_score[:, nbest - 1] >= bound) | (live[:, 0] == NEG_INF)
-        rows = (torch.arange(n, device=device)[:, None] * K + src_beam).reshape(-1)
+        if t == 1:  # every beam continues its sentence's one row
+            rows = torch.arange(n, device=device).repeat_interleave(K)
+        else:
+            rows = (torch.arange(n, device=device)[:, None] * K + src_beam).reshape(-1)
         if bool(done.any()):
             for i in done.nonzero().squeeze(1).tolist():
                 hyps = []
@@ -441,6 +475,6 @@ def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
 
 
 __all__ = [
-    "CachedStep", "EnsembleStep", "Hypothesis", "SamplingConfig", "StepFunction",
+    "CachedStep", "DecodeStats", "EnsembleStep", "Hypothesis", "SamplingConfig", "StepFunction",
     "UncachedStep", "beam_search", "greedy_search", "length_penalty", "max_output_lengths",
 ]

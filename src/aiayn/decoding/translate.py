@@ -18,6 +18,7 @@ from aiayn.data.batching import pad_sources
 from aiayn.data.vocab import EOS_ID, Vocabulary
 from aiayn.decoding.search import (
     CachedStep,
+    DecodeStats,
     EnsembleStep,
     Hypothesis,
     SamplingConfig,
@@ -95,6 +96,7 @@ def translate_nbest(
     long_inputs: str = "truncate",
     warn: Callable[[str], None] | None = None,
     progress: bool = False,
+    stats: DecodeStats | None = None,
 ) -> list[list[Translation]]:
     """Translate ``lines`` of the model's own text; for each, up to ``nbest`` translations,
     best first. The engine under :class:`aiayn.Translator`, which owns the raw-text contract
@@ -118,6 +120,8 @@ def translate_nbest(
         min_len: ban EOS before this many tokens (benchmarks fix output lengths with it).
         long_inputs: "truncate" (warn) or "error"; see :func:`encode_sources`.
         progress: show a tqdm bar (sentences) on stderr.
+        stats: a :class:`~aiayn.decoding.search.DecodeStats` that counts the searches'
+            decoder calls and row-steps (benchmarks).
 
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
@@ -135,7 +139,7 @@ def translate_nbest(
         m.eval()  # no dropout while decoding; the caller's mode is restored below
     try:
         return _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache,
-                          min_len, long_inputs, warn, progress)
+                          min_len, long_inputs, warn, progress, stats)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)
@@ -164,7 +168,7 @@ def check_ensemble(models: list) -> None:
 
 
 def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, min_len,
-               long_inputs, warn, progress):
+               long_inputs, warn, progress, stats):
     batch_size = decode.batch_size
     device = next(models[0].parameters()).device
     max_len = min(m.config.max_len for m in models)
@@ -196,11 +200,11 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
             step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
             if sampling is not None or decode.beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
-                                                   sampling=sampling)]
+                                                   sampling=sampling, stats=stats)]
             else:
                 hyps = beam_search(step, max_lens, beam_size=decode.beam_size,
                                    alpha=decode.alpha, nbest=nbest, min_len=min_len,
-                                   rules=decode.beam_rules)
+                                   rules=decode.beam_rules, stats=stats)
             for i, hs in zip(chunk, hyps):
                 results[i] = [_to_translation(vocab, h) for h in hs]
             if bar is not None:

@@ -15,7 +15,11 @@ How it moves data (what makes decoding fast on a CPU):
   ``group`` rows of a sentence (its beams) attend to them as ``group`` queries of one
   attention call. Beam search's reorders therefore never copy them.
 - **Reordering** (:meth:`select_`, used by the searches) moves, in place, only the rows whose
-  history changes, and only the positions held.
+  history changes, and only the positions held. With ``gather`` (decoding on the CPU through
+  :func:`aiayn.model.kernels.attend`) it moves no keys at all: the cache keeps, for every row
+  and position, the buffer row that holds that key (:attr:`key_rows`), reorders only that
+  table of integers, and the attention reads each key where it lies. Each step writes its new
+  keys into buffer rows 0..n-1 at a position nobody has yet, so no history is overwritten.
 
 Under restricted self-attention (§4, ``attention_window = r``) each layer keeps only the last
 r positions (older ones are dropped, the buffer compacted when it fills), so its memory stays
@@ -40,11 +44,19 @@ class DecoderCache:
         length: t, the positions decoded so far.
         window: r of restricted self-attention (§4): only the last r positions are kept;
             None keeps all.
+        gather: reorders move the table :attr:`key_rows`, not the keys (see the module
+            docstring); only without a window, and only for attention that reads it (the
+            model's CPU kernel; other paths gather the rows' keys with :meth:`gathered`).
     """
 
     def __init__(self, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor, *,
-                 window: int | None = None, group: int = 1, capacity: int = 0) -> None:
+                 window: int | None = None, group: int = 1, capacity: int = 0,
+                 gather: bool = False) -> None:
+        if gather and window is not None:
+            raise ValueError("a gathering cache keeps every position: no window")
         self.cross = cross
+        self.gather = gather
+        self._rows: Tensor | None = None  # gather: (n, C) buffer row of each row's position
         self.src_mask = src_mask
         self.window = window
         self.group = group
@@ -54,12 +66,15 @@ class DecoderCache:
         self._v: list[Tensor | None] = [None] * len(cross)
         self._lo = 0  # the positions held are buffer[:, :, _lo : _lo + _held]
         self._held = 0
+        self._pending = 0  # positions written in the step now running (until advance)
 
     @classmethod
     def start(cls, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
-              window: int | None = None, capacity: int = 0) -> DecoderCache:
-        """A cache before step 1: one row per sentence of ``src_mask`` (B, S)."""
-        return cls(cross, src_mask, window=window, capacity=capacity)
+              window: int | None = None, capacity: int = 0, gather: bool = False
+              ) -> DecoderCache:
+        """A cache before step 1: one row per sentence of ``src_mask`` (B, S); ``gather``:
+        reorder a table of buffer rows instead of the keys (see the module docstring)."""
+        return cls(cross, src_mask, window=window, capacity=capacity, gather=gather)
 
     @property
     def batch_size(self) -> int:
@@ -71,8 +86,29 @@ class DecoderCache:
         """Per layer, the keys (n, h, t, d_k) and values (n, h, t, d_v) held (views into the
         buffers; t = ``length``, or at most r under a window); None before step 1."""
         lo, hi = self._lo, self._lo + self._held
-        return [None if k is None else (k[:, :, lo:hi], v[:, :, lo:hi])
+        return [None if k is None else self.gathered(k[:, :, lo:hi], v[:, :, lo:hi])
                 for k, v in zip(self._k, self._v)]
+
+    @property
+    def key_rows(self) -> Tensor | None:
+        """Under ``gather``: long (n, t), the buffer row that holds row r's key and value at
+        position j (what :meth:`append_self` returns is the buffers, not the rows), the
+        positions of the step now running included; else None."""
+        if not self.gather or self._rows is None:
+            return None
+        return self._rows[: self.batch_size, : self._lo + self._held + self._pending]
+
+    def gathered(self, k: Tensor, v: Tensor, rows: Tensor | None = None
+                 ) -> tuple[Tensor, Tensor]:
+        """The keys and values of the rows themselves, (n, h, t, d), from buffer views
+        (n_buf, h, t, d) that :meth:`append_self` returned (a copy under ``gather``; the views
+        themselves otherwise). ``rows``: :attr:`key_rows` as it was when they were returned."""
+        rows = self.key_rows if rows is None else rows
+        if rows is None:
+            return k, v
+        pos = torch.arange(rows.shape[1], device=rows.device)[None, :]
+        return (k.transpose(1, 2)[rows, pos].transpose(1, 2),
+                v.transpose(1, 2)[rows, pos].transpose(1, 2))
 
     def cached_len(self, layer: int) -> int:
         """Positions of ``layer`` held before the step now running."""
@@ -87,8 +123,12 @@ class DecoderCache:
             self._make_room(t_new, k, v)
         at = self._lo + self._held
         kb, vb = self._k[layer], self._v[layer]
-        kb[:, :, at : at + t_new] = k
-        vb[:, :, at : at + t_new] = v
+        n = k.shape[0]
+        kb[:n, :, at : at + t_new] = k
+        vb[:n, :, at : at + t_new] = v
+        if self.gather and layer == 0:  # the new positions lie in the rows' own buffer rows
+            self._rows[:n, at : at + t_new] = torch.arange(n, device=k.device)[:, None]
+            self._pending = t_new
         return kb[:, :, self._lo : at + t_new], vb[:, :, self._lo : at + t_new]
 
     def advance(self, t_new: int) -> None:
@@ -96,6 +136,7 @@ class DecoderCache:
         the last r of everything)."""
         self.length += t_new
         self._held += t_new
+        self._pending = 0
         if self.window is not None and self._held > self.window:
             self._lo += self._held - self.window
             self._held = self.window
@@ -113,6 +154,8 @@ class DecoderCache:
             if self.capacity >= need:
                 capacity = min(capacity, max(self.capacity, size))
         n, h = k.shape[:2]
+        if first is not None:  # a gathering cache's buffer may hold more rows than are live
+            n = max(n, first.shape[0])
         for i in range(len(self._k)):
             old_k, old_v = self._k[i], self._v[i]
             new_k = k.new_empty(n, h, capacity, k.shape[3])
@@ -121,6 +164,12 @@ class DecoderCache:
                 new_k[:, :, : self._held] = old_k[:, :, self._lo : self._lo + self._held]
                 new_v[:, :, : self._held] = old_v[:, :, self._lo : self._lo + self._held]
             self._k[i], self._v[i] = new_k, new_v
+        if self.gather:
+            live = max(self.batch_size, 0 if self._rows is None else self._rows.shape[0])
+            rows = torch.zeros(live, capacity, dtype=torch.long, device=k.device)
+            if self._rows is not None and self._held:
+                rows[: self._rows.shape[0], : self._held] = self._rows[:, : self._held]
+            self._rows = rows
         self._lo = 0
 
     # --- reordering rows --------------------------------------------------------------------
@@ -149,7 +198,7 @@ class DecoderCache:
 
     def _copy_state(self, cross, src_mask, group) -> DecoderCache:
         out = DecoderCache(cross, src_mask, window=self.window, group=group,
-                           capacity=self.capacity)
+                           capacity=self.capacity, gather=self.gather)
         out.length, out._lo, out._held = self.length, self._lo, self._held
         return out
 
@@ -161,20 +210,27 @@ class DecoderCache:
         """
         out = self._copy_state(*self._regroup(index))
         lo, hi = self._lo, self._lo + self._held
+        rows = self.key_rows
         for i, (k, v) in enumerate(zip(self._k, self._v)):
             if k is None:
                 continue
             new_k = k.new_empty(index.shape[0], *k.shape[1:])
             new_v = v.new_empty(index.shape[0], *v.shape[1:])
-            new_k[:, :, lo:hi] = k[:, :, lo:hi].index_select(0, index)
-            new_v[:, :, lo:hi] = v[:, :, lo:hi].index_select(0, index)
+            held_k, held_v = self.gathered(k[:, :, lo:hi], v[:, :, lo:hi], rows)
+            new_k[:, :, lo:hi] = held_k.index_select(0, index)
+            new_v[:, :, lo:hi] = held_v.index_select(0, index)
             out._k[i], out._v[i] = new_k, new_v
+        if rows is not None:  # each row in its own buffer row again
+            out._rows = torch.arange(index.shape[0], device=index.device)[:, None].repeat(
+                1, self._rows.shape[1])
         return out
 
     def select_(self, index: Tensor) -> DecoderCache:
         """Like :meth:`index_select`, but may reuse this cache's buffers: when the rows stay as
         many, only the rows whose history changes are moved, in place. This cache must not be
         used afterwards (the searches never do). Returns the reordered cache."""
+        if self.gather and self._k[0] is not None:
+            return self._select_rows(index)
         if self._k[0] is None or index.shape[0] != self.batch_size:
             return self.index_select(index)
         out = self._copy_state(*self._regroup(index))
@@ -188,6 +244,30 @@ class DecoderCache:
             for buf in (*out._k, *out._v):
                 held = buf[:, :, lo:hi]
                 held.index_copy_(0, moved, held.index_select(0, src))
+        return out
+
+    def _select_rows(self, index: Tensor) -> DecoderCache:
+        """:meth:`select_` under ``gather``: only the table of buffer rows is reordered; the
+        buffers gain rows (a copy) only when there are more rows than ever before."""
+        out = self._copy_state(*self._regroup(index))
+        n_new, hi = index.shape[0], self._lo + self._held
+        k_bufs, v_bufs = self._k, self._v
+        rows = self._rows
+        if n_new > k_bufs[0].shape[0]:  # more rows than buffer rows (beam expansion)
+            grown_k, grown_v = [], []
+            for k, v in zip(k_bufs, v_bufs):
+                nk = k.new_empty(n_new, *k.shape[1:])
+                nv = v.new_empty(n_new, *v.shape[1:])
+                nk[: k.shape[0], :, :hi] = k[:, :, :hi]
+                nv[: v.shape[0], :, :hi] = v[:, :, :hi]
+                grown_k.append(nk)
+                grown_v.append(nv)
+            k_bufs, v_bufs = grown_k, grown_v
+        new_rows = torch.zeros(max(n_new, rows.shape[0]), rows.shape[1], dtype=torch.long,
+                               device=rows.device)
+        new_rows[:n_new, :hi] = rows[:, :hi].index_select(0, index)
+        out._k, out._v, out._rows = k_bufs, v_bufs, new_rows
+        self._k = self._v = []  # poisoned: a use after select_ fails loudly
         return out
 
 

@@ -12,10 +12,17 @@ encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Lin
 
 No scale and no sum mixes rows (unlike per-tensor dynamic quantization, whose one activation
 scale is the batch's largest value), so each row's product is independent of its batch. The
-float parts around the products are not quite: attention over a batch padded to another length
-can round differently in the last bit, and int8 rounding can turn that into another token.
-Everything between the linear maps (embeddings, positions, LayerNorm, softmax, attention
-products, residuals, the caches) stays float32.
+float attention around the products runs in :func:`aiayn.model.kernels.attend` on the CPU,
+over each row's own keys in an order its own lengths fix, so it does not round differently
+when the batch is padded to another length: a sentence decodes to the same tokens alone or in
+any batch (``tests/unit/test_batch_invariance.py``). Everything between the linear maps
+(embeddings, positions, LayerNorm, softmax, attention products, residuals, the caches) stays
+float32.
+
+Around each product, the int32 sums are rescaled (and the bias added) in one pass
+(:func:`aiayn.model.kernels.rescale`), and each self-attention's W^Q, W^K and W^V are one
+map (``MultiHeadAttention.W_qkv``), so their shared input is quantized once: both give the
+same numbers as the separate maps and passes, bit for bit.
 
 The model itself is not changed; the copy shares nothing with it that training could move
 (its float weights are dropped, its int8 ones are buffers).
@@ -27,7 +34,11 @@ import copy
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+from aiayn.model import kernels
+from aiayn.model.transformer import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 
 
 def _quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
@@ -53,6 +64,30 @@ def weight_levels() -> int:
     return 127 if exact else 63
 
 
+@functools.cache
+def weight_columns_first(in_features: int, out_features: int) -> bool:
+    """Whether ``torch._int_mm`` runs faster here on the int8 weight stored column-major
+    ((in, out) contiguous) than on the (out, in) rows' transposed view, for this shape.
+
+    Measured once per shape and process (a few products of 32 rows, each layout's fastest
+    of five): on the bf16 class oneDNN ran (32, 2048) x (2048, 512) 1.7x faster column-major,
+    and the shapes with 512 inputs alike. The sums are exact either way, so only time changes.
+    """
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (32, in_features), dtype=torch.int8, generator=gen)
+    w = torch.randint(-63, 64, (out_features, in_features), dtype=torch.int8, generator=gen)
+    layouts = [w.t(), w.t().contiguous()]
+    best = [float("inf"), float("inf")]
+    for _ in range(5):
+        for i, b in enumerate(layouts):
+            t = time.perf_counter()
+            torch._int_mm(a, b)
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best[1] < 0.9 * best[0]
+
+
 class Int8Linear(nn.Module):
     """``y = x W^T + b`` with int8 weights (per output row) and int8 activations (per input
     row, chosen at each call); x (..., in_features) float -> y (..., out_features) float32.
@@ -67,10 +102,13 @@ class Int8Linear(nn.Module):
         w = weight.detach().float()
         w8, scale = _quantize_rows(w, weight_levels())
         self.out_features, self.in_features = w.shape
-        # (in, out) view of the (out, in) rows: the layout torch._int_mm runs fastest on
+        # (out, in) values; stored column-major where that runs faster (weight_columns_first)
+        if weight_columns_first(self.in_features, self.out_features):
+            w8 = w8.t().contiguous().t()
         self.register_buffer("weight_int8", w8)
         self.register_buffer("weight_scale", scale.squeeze(1))  # (out,)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.relu = False  # max(0, y) after the bias (the FFN's first map: quantize_int8)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
@@ -79,16 +117,37 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x8, x_scale = _quantize_rows(x.reshape(-1, shape[-1]).float())
+        rows = x.reshape(-1, shape[-1]).float()
+        fused = kernels.usable(rows, kind="int8")  # 2 + 1 passes instead of 5 + 4 (+ relu)
+        x8, x_scale = kernels.quantize_rows(rows) if fused else _quantize_rows(rows)
         acc = torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
-        y = acc.float().mul_(x_scale).mul_(self.weight_scale)
-        if self.bias is not None:
-            y.add_(self.bias)
+        if fused:
+            y = kernels.rescale(acc, x_scale, self.weight_scale, self.bias, self.relu)
+        else:
+            y = acc.float().mul_(x_scale).mul_(self.weight_scale)
+            if self.bias is not None:
+                y.add_(self.bias)
+            if self.relu:
+                y.clamp_(min=0.0)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8 weights and activations")
+
+
+def _fuse_self_attention(module: nn.Module) -> None:
+    """Give every self-attention of ``module`` one int8 map for W^Q, W^K and W^V
+    (``W_qkv``): their rows stacked, each keeping its own scale, so the outputs are the three
+    maps' bit for bit, and the shared input is quantized once."""
+    for layer in module.modules():
+        if isinstance(layer, (EncoderLayer, DecoderLayer)):
+            attn = layer.self_attn
+            maps = (attn.W_q, attn.W_k, attn.W_v)
+            bias = (None if any(m.bias is None for m in maps)
+                    else torch.cat([m.bias for m in maps]))
+            attn.W_qkv = Int8Linear(torch.cat([m.weight for m in maps]), bias)
+            del attn.W_q, attn.W_k, attn.W_v
 
 
 def _replace_linears(module: nn.Module) -> None:
@@ -99,22 +158,34 @@ def _replace_linears(module: nn.Module) -> None:
             _replace_linears(child)
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
+def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True) -> nn.Module:
     """An int8 inference copy of a :class:`~aiayn.model.Transformer` (see the module
     docstring), in eval mode, on the model's device. Decode with it as with the model.
 
     The embeddings stay float32; the output layer, tied to the target embedding (§3.4), gets
     an int8 copy of that matrix (``model.output_projection``), with ``final_logits_bias``
     (Marian) as its bias: a ``-inf`` placeholder bias keeps its zero probability. ``model``
-    itself, and its training mode, are left as they are.
+    itself, and its training mode, are left as they are. With ``fuse_qkv`` (the default)
+    each self-attention's W^Q, W^K and W^V become one map (same outputs, one quantization of
+    their shared input).
     """
     q = copy.deepcopy(model).eval()
     for p in q.parameters():
         p.requires_grad_(False)
     for stack in (q.encoder, q.decoder):
+        if fuse_qkv:
+            _fuse_self_attention(stack)
         _replace_linears(stack)
+    for ffn in q.modules():  # the relu moves into W_1's rescaling pass
+        if isinstance(ffn, PositionwiseFeedForward) and ffn.activation is F.relu:
+            ffn.W_1.relu = True
+            ffn.activation = _identity
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     return q
 
 
-__all__ = ["Int8Linear", "quantize_int8"]
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+__all__ = ["Int8Linear", "quantize_int8", "weight_columns_first"]

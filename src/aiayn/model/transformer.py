@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.model import kernels
 from aiayn.model.cache import DecoderCache
 
 
@@ -128,7 +129,10 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention, §3.2.2: Concat(head_1 … head_h) W^O, head_i = Attention(Q W_i^Q, …).
 
     d_k and d_v are free of d_model / h so that Table 3 rows (A) and (B) can be built.
-    The attention itself is eq. 1, run by ``F.scaled_dot_product_attention``.
+    The attention itself is eq. 1, run by ``F.scaled_dot_product_attention``; at inference on
+    the CPU, when the caller gives each row's key count (``key_len``: encoding, cached
+    decoding), by :func:`aiayn.model.kernels.attend`, one call for all rows and heads, each
+    query over its own keys only (faster, and independent of the batch's padding).
 
     Training on CPU also computes eq. 1 explicitly (:meth:`_attend_explicit`): at these
     sentence lengths (~10-30 tokens) it took 10-12% less of a ``multi30k`` step than
@@ -149,6 +153,9 @@ class MultiHeadAttention(nn.Module):
         self.W_k = nn.Linear(d_model, h * d_k)
         self.W_v = nn.Linear(d_model, h * d_v)
         self.W_o = nn.Linear(h * d_v, d_model)
+        # an inference stand-in for W^Q, W^K and W^V together (one map over the shared input
+        # of self-attention), set by quantize_int8; None: the three maps
+        self.W_qkv: nn.Module | None = None
         self.dropout = dropout
         self.attn_dropout = Dropout(dropout)
         self.record_weights = False
@@ -162,6 +169,17 @@ class MultiHeadAttention(nn.Module):
         """Keys and values of ``x`` (B, L, d_model): each (B, h, L, d_k) and (B, h, L, d_v)."""
         return self._split(self.W_k(x), self.d_k), self._split(self.W_v(x), self.d_v)
 
+    def project_qkv(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Self-attention's projections of one input ``x`` (B, L, d_model): the queries
+        x W^Q (B, L, h * d_k), for :meth:`forward`'s ``projected``, and the keys and values
+        as :meth:`project_kv` gives them. One linear map when ``W_qkv`` is set (int8)."""
+        if self.W_qkv is None:
+            return self.W_q(x), self.project_kv(x)
+        qkv = self.W_qkv(x)
+        a, b = self.h * self.d_k, 2 * self.h * self.d_k
+        return qkv[..., :a], (self._split(qkv[..., a:b], self.d_k),
+                              self._split(qkv[..., b:], self.d_v))
+
     def forward(
         self,
         query: Tensor,
@@ -169,6 +187,11 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         is_causal: bool = False,
         group: int = 1,
+        *,
+        projected: Tensor | None = None,
+        key_len: Tensor | None = None,
+        causal_from: int = -1,
+        key_rows: Tensor | None = None,
     ) -> Tensor:
         """Attend from ``query`` (B, Tq, d_model) over projected keys and values.
 
@@ -181,16 +204,37 @@ class MultiHeadAttention(nn.Module):
             mask: bool, broadcastable to (B / G, h, G * Tq, Tk), True where attention is
                 allowed.
             is_causal: position i attends to keys 0 … i only (decoder self-attention, §3.2.3).
+            projected: ``query``'s W^Q projection (B, Tq, h * d_k) when already made
+                (:meth:`project_qkv`).
+            key_len: long (B / G,), the keys each row of ``kv`` holds, a prefix of Tk (what
+                ``mask`` allows; the caller vouches for it). Given at inference, the attention
+                runs in :func:`aiayn.model.kernels.attend`: over each row's own keys only, so
+                a row's output does not depend on its batch's padding. ``mask`` and
+                ``is_causal`` are then not read: ``causal_from`` (-1, or the position of the
+                first query among the keys) says which keys each query may see.
+            key_rows: long (B, Tk): key j of row r lies in row ``key_rows[r, j]`` of ``kv``
+                (a gathering :class:`~aiayn.model.DecoderCache`; see its ``key_rows``).
 
         Returns:
             (B, Tq, d_model).
         """
-        q = self._split(self.W_q(query), self.d_k)  # (B, h, Tq, d_k)
-        B, _, Tq, _ = q.shape
+        q_flat = self.W_q(query) if projected is None else projected  # (B, Tq, h * d_k)
+        B, Tq = q_flat.shape[:2]
+        k, v = kv
+        if (key_len is not None and not self.record_weights and not self.training
+                and kernels.usable(q_flat, k, v)):
+            out = kernels.attend(q_flat.reshape(B, Tq, self.h, self.d_k), k, v, key_len,
+                                 group=group, causal_from=causal_from,
+                                 key_rows=key_rows)  # (B, Tq, h, d_v)
+            return self.W_o(out.view(B, Tq, self.h * self.d_v))
+        if key_rows is not None:  # the rows' own keys, gathered from where they lie
+            pos = torch.arange(key_rows.shape[1], device=key_rows.device)[None, :]
+            k = k.transpose(1, 2)[key_rows, pos].transpose(1, 2)
+            v = v.transpose(1, 2)[key_rows, pos].transpose(1, 2)
+        q = self._split(q_flat, self.d_k)  # (B, h, Tq, d_k)
         if group > 1:  # (B, h, Tq, d_k) -> (B / G, h, G * Tq, d_k)
             q = (q.view(B // group, group, self.h, Tq, self.d_k).transpose(1, 2)
                  .reshape(B // group, self.h, group * Tq, self.d_k))
-        k, v = kv
         if self.record_weights or (self.training and q.device.type == "cpu"):
             out = self._attend_explicit(q, k, v, mask, is_causal)
         else:
@@ -275,10 +319,15 @@ class EncoderLayer(nn.Module):
         self.res_attn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
         self.res_ffn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """x: (B, S, d_model); attn_mask: bool (B, 1, 1, S). Returns (B, S, d_model)."""
+    def forward(self, x: Tensor, attn_mask: Tensor | None,
+                key_len: Tensor | None = None) -> Tensor:
+        """x: (B, S, d_model); attn_mask: bool (B, 1, 1, S); key_len: optional long (B,), the
+        real tokens of each row when they are a prefix and no band applies (see
+        :meth:`MultiHeadAttention.forward`). Returns (B, S, d_model)."""
         y = self.res_attn.inner(x)
-        x = self.res_attn.outer(x, self.self_attn(y, self.self_attn.project_kv(y), attn_mask))
+        q, kv = self.self_attn.project_qkv(y)
+        x = self.res_attn.outer(x, self.self_attn(y, kv, attn_mask, projected=q,
+                                                  key_len=key_len))
         return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
 
 
@@ -304,6 +353,7 @@ class DecoderLayer(nn.Module):
         cross_mask: Tensor | None,
         cache: DecoderCache | None = None,
         layer: int = 0,
+        cross_len: Tensor | None = None,
     ) -> Tensor:
         """x: (B, T, d_model); cross_kv: encoder keys/values (B, h, S, d_k|d_v) of this layer.
 
@@ -311,15 +361,18 @@ class DecoderLayer(nn.Module):
         x holds the new positions only; their keys and values are appended to the cache and
         they attend to everything cached (all earlier positions), so nothing is recomputed.
         With ``attention_window = r`` both paths see only the last r positions and their own.
+        ``cross_len``: optional long (B / group,), the real source tokens of each row of
+        ``cross_kv`` when they are a prefix (see :meth:`MultiHeadAttention.forward`); the
+        cached path then attends through :func:`aiayn.model.kernels.attend`.
         """
         y = self.res_self.inner(x)
-        kv = self.self_attn.project_kv(y)
+        q, kv = self.self_attn.project_qkv(y)
         if cache is None and self.window is None:
-            attn = self.self_attn(y, kv, is_causal=True)
+            attn = self.self_attn(y, kv, is_causal=True, projected=q)
         elif cache is None:
             T = x.shape[1]
             attn = self.self_attn(y, kv, band_mask(T, T, self.window, causal=True,
-                                                   device=x.device))
+                                                   device=x.device), projected=q)
         else:
             k_offset = cache.length - cache.cached_len(layer)  # first position still cached
             kv = cache.append_self(layer, *kv)
@@ -328,11 +381,17 @@ class DecoderLayer(nn.Module):
             if t_new > 1 or (self.window is not None and t_all > self.window + 1):
                 mask = band_mask(t_new, t_all, self.window, causal=True, q_offset=cache.length,
                                  k_offset=k_offset, device=x.device)
-            attn = self.self_attn(y, kv, mask)
+            self_len = None
+            if cross_len is not None and self.window is None:  # every row holds all t_all
+                self_len = torch.full((x.shape[0],), t_all, dtype=torch.long)
+            attn = self.self_attn(y, kv, mask, projected=q, key_len=self_len,
+                                  causal_from=cache.length if t_new > 1 else -1,
+                                  key_rows=cache.key_rows)
         x = self.res_self.outer(x, attn)
         y = self.res_cross.inner(x)
         group = 1 if cache is None else cache.group
-        x = self.res_cross.outer(x, self.cross_attn(y, cross_kv, cross_mask, group=group))
+        x = self.res_cross.outer(x, self.cross_attn(y, cross_kv, cross_mask, group=group,
+                                                    key_len=cross_len))
         return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
 
 
@@ -505,8 +564,11 @@ class Transformer(nn.Module):
             # each position also sees itself, so a padding row far from any token is not empty
             attn_mask = attn_mask & band | torch.eye(S, dtype=torch.bool, device=src.device)
         x = self._embed(self.src_embed, src, word_dropout=self.config.word_dropout)
+        key_len = None
+        if self.config.attention_window is None and not self.training and kernels.usable(x):
+            key_len = kernels.prefix_lengths(src_mask)  # None unless right-padded
         for layer in self.encoder:
-            x = layer(x, attn_mask)
+            x = layer(x, attn_mask, key_len)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
         return x, src_mask
@@ -565,8 +627,11 @@ class Transformer(nn.Module):
         positions to reserve (the longest output plus its start token, when known; the cache
         grows past it if needed)."""
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        return DecoderCache.start(cross, src_mask, window=self.config.attention_window,
-                                  capacity=capacity)
+        window = self.config.attention_window
+        # on the CPU kernels, beams reorder a table of rows, not their keys (DecoderCache)
+        gather = window is None and not self.training and kernels.usable(memory)
+        return DecoderCache.start(cross, src_mask, window=window, capacity=capacity,
+                                  gather=gather)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
         """Logits for the position after ``tokens``, reusing and extending ``cache``.
@@ -581,8 +646,11 @@ class Transformer(nn.Module):
         """
         cross_mask = cache.src_mask[:, None, None, :]
         x = self._embed(self.tgt_embed, tokens, offset=cache.length)
+        cross_len = None
+        if not self.training and kernels.usable(x):
+            cross_len = kernels.prefix_lengths(cache.src_mask)  # None unless right-padded
         for i, layer in enumerate(self.decoder):
-            x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i)
+            x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i, cross_len=cross_len)
         cache.advance(tokens.shape[1])
         return self.project(x)
 

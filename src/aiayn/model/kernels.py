@@ -1,0 +1,250 @@
+"""CPU kernels for inference: attention over cached keys, and the passes around int8 products.
+
+Compiled by numba on first use and cached on disk (``cache=True``: in the package's
+``__pycache__``, or numba's user-wide cache where that is read-only), so a second process
+loads them instead of compiling. Used only on CPU, in float32, without gradients; every caller
+keeps its torch path for the rest (and for a machine without numba, or with the environment
+variable ``AIAYN_NO_KERNELS=1``: :data:`AVAILABLE`).
+
+Why kernels and not torch ops (measured, ``base``, one thread): decoder attention is one query
+per (row, head) against at most a few dozen keys. ``scaled_dot_product_attention`` and
+``torch.bmm`` run it as one or two tiny BLAS products per (row, head), about 0.35 µs of
+overhead each, thousands per step; the kernel here runs all of them in one call, 1.8-2.2x
+faster. An int8 linear map took about nine passes over its activations in torch ops (absolute
+value, maximum, division, rounding, cast; cast, two scalings, the bias), and the FFN's relu
+one more; :func:`quantize_rows` and :func:`rescale` take three, with the same numbers.
+
+**Batch invariance.** :func:`attend` loops, for every query, over that query's own keys
+only: the real source tokens of its sentence (``key_len``), never the padding of its batch.
+Every sum it makes runs in an order fixed by that query's own lengths. So a sentence's
+attention is the same bit for bit alone, in a batch of 16 or in the whole set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch import Tensor
+
+try:  # numba is a dependency; a platform without it decodes through torch ops
+    import numba
+
+    AVAILABLE = os.environ.get("AIAYN_NO_KERNELS", "") in ("", "0")
+except ImportError:  # pragma: no cover - numba ships wheels for every platform torch does
+    numba = None
+    AVAILABLE = False
+
+
+def _njit(**options):
+    if numba is None:  # pragma: no cover
+        return lambda f: f
+    return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
+
+
+@_njit(fastmath=True)
+def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, scale,
+            key_rows, out):  # pragma: no cover - compiled
+    # q: flat (N, Tq, H, D) contiguous; k, v: flat storages, key (r, h, j) starting at
+    # k_at[0] + r * k_at[1] + h * k_at[2] + j * k_at[3] (d contiguous), likewise v with v_at;
+    # query row r attends to key row r // group, keys 0 .. key_len[r // group] - 1 (and, if
+    # causal_from >= 0, only keys j <= causal_from + i for query i); out: flat (N, Tq, H, DV).
+    # With key_rows (N, Tk) non-empty, key j of query row r lies in key row key_rows[r, j].
+    # Rows are taken as slices, whose indices numba knows are in range: that lets LLVM
+    # vectorize the loops over d (with flat indices it did not, 8x slower).
+    k0, kr_s, kh_s, kj_s, T = k_at[0], k_at[1], k_at[2], k_at[3], k_at[4]
+    v0, vr_s, vh_s, vj_s = v_at[0], v_at[1], v_at[2], v_at[3]
+    scores = np.empty(max(T, 1), np.float32)
+    acc = np.empty(DV, np.float32)
+    by_row = key_rows.shape[0] > 0
+    for r in range(N):
+        kr = r // group
+        n_all = key_len[kr]
+        for i in range(Tq):
+            n = n_all if causal_from < 0 else min(n_all, causal_from + i + 1)
+            for hh in range(H):
+                qo = ((r * Tq + i) * H + hh) * D
+                qv = q[qo : qo + D]
+                ko = k0 + kr * kr_s + hh * kh_s
+                top = np.float32(-3.0e38)
+                for j in range(n):
+                    if by_row:
+                        ko = k0 + key_rows[r, j] * kr_s + hh * kh_s
+                    kv = k[ko + j * kj_s : ko + j * kj_s + D]
+                    s = np.float32(0.0)
+                    for dd in range(D):
+                        s += qv[dd] * kv[dd]
+                    s *= scale
+                    scores[j] = s
+                    top = max(top, s)
+                total = np.float32(0.0)
+                for j in range(n):
+                    e = np.exp(scores[j] - top)
+                    scores[j] = e
+                    total += e
+                inv = np.float32(1.0) / total if n > 0 else np.float32(0.0)
+                vo = v0 + kr * vr_s + hh * vh_s
+                acc[:] = 0.0
+                for j in range(n):
+                    w = scores[j] * inv
+                    if by_row:
+                        vo = v0 + key_rows[r, j] * vr_s + hh * vh_s
+                    vv = v[vo + j * vj_s : vo + j * vj_s + DV]
+                    for dd in range(DV):
+                        acc[dd] += w * vv[dd]
+                oo = ((r * Tq + i) * H + hh) * DV
+                ov = out[oo : oo + DV]
+                for dd in range(DV):
+                    ov[dd] = acc[dd]
+
+
+@_njit(fastmath={"nnan", "ninf", "nsz", "reassoc"})
+def _amax(xr):  # pragma: no cover - compiled
+    top = np.float32(0.0)
+    for c in range(xr.shape[0]):
+        top = max(top, abs(xr[c]))
+    return top
+
+
+@_njit()
+def _quantize_rows(x, levels, x8, scale):  # pragma: no cover - compiled
+    # x (M, K) float32 -> x8 (M, K) int8 and scale (M, 1) float32, torch's arithmetic exactly:
+    # scale = max(amax|x|, 1e-12) / levels, x8 = round_half_even(x / scale). |x / scale| <=
+    # levels < 2^22, where adding and subtracting 1.5 * 2^23 rounds half to even, as torch.round
+    # does, and vectorizes (a call to rint per element does not).
+    M, K = x.shape
+    magic = np.float32(12582912.0)
+    for r in range(M):
+        xr, qr = x[r], x8[r]
+        s = max(_amax(xr), np.float32(1e-12)) / np.float32(levels)
+        scale[r, 0] = s
+        for c in range(K):
+            qr[c] = np.int32((xr[c] / s + magic) - magic)
+
+
+@_njit()
+def _rescale(acc, x_scale, w_scale, bias, has_bias, relu, out):  # pragma: no cover - compiled
+    # out = float(acc) * x_scale[r] * w_scale[o] (+ bias[o]), rounded in that order (then
+    # max(0, .) with relu)
+    M, n_out = acc.shape
+    zero = np.float32(0.0)
+    for r in range(M):
+        sx = x_scale[r, 0]
+        ar, yr = acc[r], out[r]
+        if has_bias:
+            for o in range(n_out):
+                yr[o] = (np.float32(ar[o]) * sx) * w_scale[o] + bias[o]
+        else:
+            for o in range(n_out):
+                yr[o] = (np.float32(ar[o]) * sx) * w_scale[o]
+        if relu:
+            for o in range(n_out):
+                yr[o] = max(yr[o], zero)
+
+
+#: The kernel families in use: "attention" (:func:`attend`) and "int8" (:func:`quantize_rows`,
+#: :func:`rescale`). Benchmarks remove one to measure what it gains.
+ENABLED = {"attention", "int8"} if AVAILABLE else set()
+
+
+def usable(*tensors: Tensor, kind: str = "attention") -> bool:
+    """Whether the ``kind`` kernels (see :data:`ENABLED`) can run on ``tensors``: numba
+    present, float32 on the CPU, no gradient wanted."""
+    return (kind in ENABLED and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu")
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
+
+
+_NO_ROWS = np.zeros((0, 0), dtype=np.int64)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
+           causal_from: int = -1, scale: float | None = None,
+           key_rows: Tensor | None = None) -> Tensor:
+    """softmax(q k^T * scale) v (eq. 1), per query over its own keys only.
+
+    Args:
+        q: float32 (N, Tq, h, d_k), the projected queries (the linear map's own layout).
+        k: float32 (R, h, Tk, d_k) keys, any strides (a cache buffer, or a split projection).
+        v: float32 (R, h, Tk, d_v) values.
+        key_len: long (R,), the keys each key row holds (its real tokens, a prefix of Tk).
+        group: query rows per key row: row r attends to key row r // group (the beams of a
+            sentence over its one copy of the encoder output). N = R * group.
+        causal_from: -1, or the position of query 0 among the keys: query i then sees keys
+            0 .. causal_from + i only (decoder self-attention, §3.2.3).
+        scale: default d_k ** -0.5.
+        key_rows: optional long (N, Tk): key j of query row r lies in row ``key_rows[r, j]``
+            of ``k`` and ``v`` (a gathering :class:`~aiayn.model.DecoderCache`'s
+            ``key_rows``); ``group`` is then 1.
+
+    Returns:
+        float32 (N, Tq, h, d_v): contiguous, so ``.view(N, Tq, h * d_v)`` is the input of W^O.
+    """
+    N, Tq, H, D = q.shape
+    DV = v.shape[3]
+    if k.stride(3) != 1 or v.stride(3) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty(N, Tq, H, DV, dtype=torch.float32)
+    k_at = np.array([k.storage_offset(), *k.stride()[:3], k.shape[2]], dtype=np.int64)
+    v_at = np.array([v.storage_offset(), *v.stride()[:3], v.shape[2]], dtype=np.int64)
+    _attend(q.contiguous().view(-1).numpy(), N, Tq, H, D, _storage(k), k_at, _storage(v),
+            v_at, DV, key_len.numpy(), group, causal_from,
+            np.float32(D**-0.5 if scale is None else scale),
+            _NO_ROWS if key_rows is None else key_rows.contiguous().numpy(), out.view(-1).numpy())
+    return out
+
+
+def _storage(t: Tensor) -> np.ndarray:
+    """The whole float32 storage under ``t``, flat."""
+    return t.as_strided((t.untyped_storage().nbytes() // 4,), (1,), 0).numpy()
+
+
+def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row of a float32 (M, K) ``x``: (int8 (M, K), float32 scales (M, 1)),
+    bit for bit what ``round(x / (max(amax|x|, 1e-12) / levels))`` gives in torch, in two
+    passes instead of five."""
+    x = x.contiguous()
+    x8 = torch.empty(x.shape, dtype=torch.int8)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32)
+    _quantize_rows(x.numpy(), levels, x8.numpy(), scale.numpy())
+    return x8, scale
+
+
+def rescale(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Tensor | None,
+            relu: bool = False) -> Tensor:
+    """float32 (M, O) ``acc * x_scale * w_scale + bias`` from int32 ``acc`` (M, O), in one pass
+    (``x_scale`` (M, 1), ``w_scale`` (O,), ``bias`` (O,) or None), rounded as torch's
+    ``acc.float().mul_(x_scale).mul_(w_scale).add_(bias)`` rounds; then max(0, ·) with
+    ``relu`` (the FFN's, §3.3)."""
+    out = torch.empty(acc.shape, dtype=torch.float32)
+    b = bias if bias is not None else w_scale
+    _rescale(acc.numpy(), x_scale.numpy(), w_scale.numpy(), b.numpy(), bias is not None, relu,
+             out.numpy())
+    return out
+
+
+def prefix_lengths(mask: Tensor) -> Tensor | None:
+    """The lengths (B,) of a bool (B, S) mask whose True entries are a prefix of each row
+    (right padding, as :func:`aiayn.data.batching.pad_sources` makes); None otherwise."""
+    lengths = mask.sum(dim=1)
+    prefix = torch.arange(mask.shape[1], device=mask.device)[None, :] < lengths[:, None]
+    return lengths if torch.equal(prefix, mask) else None
+
+
+def warm_up() -> None:
+    """Compile (or load from the on-disk cache) every kernel now, on tiny inputs."""
+    if not AVAILABLE:
+        return
+    with torch.no_grad():
+        q = torch.zeros(2, 1, 1, 4)
+        attend(q, q.transpose(1, 2), q.transpose(1, 2), torch.ones(2, dtype=torch.long))
+        _, s = quantize_rows(torch.ones(2, 4))
+        for bias in (torch.ones(3), None):
+            for relu in (False, True):
+                rescale(torch.ones(2, 3, dtype=torch.int32), s, torch.ones(3), bias, relu)
+
+
+__all__ = ["AVAILABLE", "ENABLED", "attend", "prefix_lengths", "quantize_rows", "rescale", "usable",
+           "warm_up"]
+

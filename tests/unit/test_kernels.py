@@ -1,0 +1,161 @@
+"""The decoding kernels (aiayn.model.kernels): attention over each query's own keys equals eq. 1
+(tests/reference.py) within float32 rounding, for cached self-attention, beams grouped over
+one sentence's encoder output, causal queries and padded sources; the int8 rescale and the
+fused W^QKV give today's int8 numbers bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import reference
+import torch
+
+from aiayn.model import MultiHeadAttention, kernels
+from aiayn.model.quantize import Int8Linear
+
+pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
+
+
+def _eq1(q, k, v, lengths, group, causal_from):
+    """Reference: q (N, Tq, h, d), k/v (R, h, Tk, d) -> (N, Tq, h, d_v), float64."""
+    N, Tq, h, _ = q.shape
+    Tk = k.shape[2]
+    rows = []
+    for r in range(N):
+        kr = r // group
+        allowed = torch.arange(Tk)[None, :] < lengths[kr]  # (1, Tk)
+        if causal_from >= 0:
+            allowed = allowed & (torch.arange(Tk)[None, :]
+                                 <= causal_from + torch.arange(Tq)[:, None])
+        out = reference.attention(q[r].transpose(0, 1), k[kr], v[kr], allowed)  # (h, Tq, d_v)
+        rows.append(out.transpose(0, 1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("group, Tq, causal_from, layout", [
+    (1, 1, -1, "cache"),     # decoder self-attention: one new query per row, a cache buffer
+    (4, 1, -1, "split"),     # 4 beams per sentence over its encoder keys, padded sources
+    (1, 7, -1, "split"),     # encoder self-attention
+    (1, 5, 3, "cache"),      # 5 new positions after 3 cached, causal
+])
+def test_attend_is_eq1_over_each_rows_own_keys(group, Tq, causal_from, layout):
+    torch.manual_seed(0)
+    R, h, d, Tk = 3, 4, 16, 9
+    q = torch.randn(R * group, Tq, h, d)
+    if layout == "cache":  # a (rows, h, capacity, d) buffer holding Tk positions
+        k = torch.randn(R, h, Tk + 4, d)[:, :, :Tk]
+        v = torch.randn(R, h, Tk + 4, d)[:, :, :Tk]
+        lengths = torch.full((R,), Tk)
+        if causal_from >= 0:
+            lengths = torch.full((R,), causal_from + Tq)
+    else:  # a projection (R, Tk, h * d) split into heads: (R, h, Tk, d) with strides
+        k = torch.randn(R, Tk, h, d).transpose(1, 2)
+        v = torch.randn(R, Tk, h, d).transpose(1, 2)
+        lengths = torch.tensor([Tk, 4, 1])
+    with torch.no_grad():
+        got = kernels.attend(q, k, v, lengths, group=group, causal_from=causal_from)
+    want = _eq1(q, k, v, lengths, group, causal_from)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+    # the padding beyond a row's length is never read: garbage there changes nothing
+    if layout == "split":
+        k2, v2 = k.clone(), v.clone()
+        for r, n in enumerate(lengths.tolist()):
+            k2[r, :, n:] = 1e30
+            v2[r, :, n:] = float("nan")
+        with torch.no_grad():
+            again = kernels.attend(q, k2, v2, lengths, group=group, causal_from=causal_from)
+        assert torch.equal(again, got)
+
+
+def test_attention_module_uses_the_kernel_and_matches_sdpa():
+    torch.manual_seed(1)
+    mha = MultiHeadAttention(32, 4, 8, 8).eval()
+    x, mem = torch.randn(6, 1, 32), torch.randn(2, 5, 32)
+    mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    with torch.no_grad():
+        kv = mha.project_kv(mem)
+        sdpa = mha(x, kv, mask[:, None, None, :], group=3)
+        kernel = mha(x, kv, mask[:, None, None, :], group=3, key_len=mask.sum(1))
+    torch.testing.assert_close(kernel, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_rescale_and_fused_qkv_are_todays_int8_bit_for_bit():
+    torch.manual_seed(2)
+    x = torch.randn(37, 64) * torch.logspace(-2, 2, 37)[:, None]
+    maps = [torch.nn.Linear(64, 48) for _ in range(3)]
+    with torch.no_grad():
+        kernels.ENABLED.discard("int8")
+        try:
+            torch_path = [Int8Linear.from_linear(m)(x) for m in maps]
+        finally:
+            kernels.ENABLED.add("int8")
+        one_pass = [Int8Linear.from_linear(m)(x) for m in maps]
+        fused = Int8Linear(torch.cat([m.weight for m in maps]),
+                           torch.cat([m.bias for m in maps]))(x)
+    for a, b in zip(torch_path, one_pass):
+        assert torch.equal(a, b)
+    assert torch.equal(fused, torch.cat(torch_path, dim=1))
+
+
+def test_prefix_lengths_only_for_right_padding():
+    right = torch.tensor([[True, True, False], [True, True, True]])
+    assert kernels.prefix_lengths(right).tolist() == [2, 3]
+    assert kernels.prefix_lengths(torch.tensor([[False, True, True]])) is None
+
+
+def test_quantize_rows_and_the_fused_relu_are_torchs_numbers():
+    from aiayn.model.quantize import _quantize_rows
+
+    torch.manual_seed(3)
+    x = torch.randn(33, 96) * torch.logspace(-3, 3, 33)[:, None]
+    x[0, :6] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 127.0]) * (x[0].abs().max() / 127)
+    x[1] = 0.0
+    a8, a_scale = _quantize_rows(x)
+    b8, b_scale = kernels.quantize_rows(x)
+    assert torch.equal(a8, b8) and torch.equal(a_scale, b_scale)
+    linear = Int8Linear.from_linear(torch.nn.Linear(96, 40))
+    with torch.no_grad():
+        plain = linear(x)
+        linear.relu = True
+        assert torch.equal(linear(x), plain.clamp(min=0.0))
+
+
+def _held(buf):
+    return torch.cat([buf[:4, :, 0].flatten(), buf[:, :, 1].flatten()])
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_a_gathering_cache_gives_the_same_numbers_and_moves_no_keys(beam_size):
+    from test_search import SOURCES, encode_src, tiny_model  # tests/unit is on sys.path
+
+    from aiayn.decoding import CachedStep, beam_search
+
+    model = tiny_model(60, seed=3)
+    lens = torch.tensor([9, 4, 12, 6])
+    outs, buffers = [], []
+    for gather in (True, False):
+        with torch.no_grad():
+            memory, mask = encode_src(model, SOURCES)
+            step = CachedStep.start(model, memory, mask, 13)
+            assert step.cache.gather  # the CPU kernels' default
+            step.cache.gather = gather
+            step(torch.ones(4, dtype=torch.long))
+            step = step.select(torch.arange(4).repeat_interleave(2))
+            step(torch.ones(8, dtype=torch.long))
+            first = step.cache._k[0]
+            # what the rows hold: position 0 in buffer rows 0-3 (one per sentence, step 0
+            # ran on one row each), position 1 in rows 0-7 (the rest is never written)
+            before = _held(first).clone()
+            order = torch.tensor([1, 0, 3, 2, 4, 5, 7, 6])  # beams swap within sentences
+            moved = step.select(order).cache
+            # gathering: the buffers are untouched, only the table of rows changes
+            if gather:
+                buffers.append(moved._k[0] is first and torch.equal(_held(first), before)
+                               and moved.key_rows[:, 1].tolist() == order.tolist())
+            step = CachedStep.start(model, memory, mask, 13)
+            step.cache.gather = gather
+            outs.append(beam_search(step, lens, beam_size=beam_size, alpha=0.6,
+                                    nbest=beam_size))
+    assert buffers[0]
+    gathered, moved = outs
+    assert [[h.tokens for h in s] for s in gathered] == [[h.tokens for h in s] for s in moved]
+    assert [[h.score for h in s] for s in gathered] == [[h.score for h in s] for s in moved]
