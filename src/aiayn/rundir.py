@@ -26,6 +26,7 @@ A run directory ``RUN`` (:class:`RunDir`) of ``aiayn train``::
 
     RUN/averaged/              the last K step checkpoints averaged (§6.1)       AVERAGED
     RUN/generation_config.json what decodes as the run's model (chosen on val)   GENERATION_CONFIG
+    RUN/shape.json             the shape --ensemble auto chose (aiayn.budget)    SHAPE
     RUN/results.json           the pipeline's results                            RESULTS
     RUN/test.hyp.LANG          its test-set output (:meth:`RunDir.test_output`)
     RUN/curves.png             the training curves                               CURVES
@@ -52,7 +53,7 @@ from aiayn.errors import UserError
 from aiayn.fileio import write_json_atomic
 
 __all__ = ["WEIGHTS", "CONFIG", "TOKENIZER", "META", "TRAINING_STATE", "CHECKPOINTS", "AVERAGED",
-           "BEST", "EMA", "TRAIN_SUMMARY", "DATA_RECORD", "METRICS", "TENSORBOARD", "GENERATION_CONFIG",
+           "BEST", "EMA", "TRAIN_SUMMARY", "DATA_RECORD", "SHAPE", "METRICS", "TENSORBOARD", "GENERATION_CONFIG",
            "GENERATION_FORMAT", "RESULTS", "CURVES", "ENSEMBLE", "NoModelError", "RunDir",
            "is_checkpoint",
            "list_checkpoints", "model_paths", "read_generation_config",
@@ -73,6 +74,7 @@ BEST = "best"
 EMA = "ema"
 TRAIN_SUMMARY = "train_summary.json"
 DATA_RECORD = "data.json"  # the fingerprint of the prepared data a run trains on
+SHAPE = "shape.json"  # the shape --ensemble auto chose, and the probe's figures
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tb"
 GENERATION_CONFIG = "generation_config.json"
@@ -162,6 +164,10 @@ class RunDir:
     @property
     def train_summary(self) -> Path:
         return self.path / TRAIN_SUMMARY
+
+    @property
+    def shape(self) -> Path:
+        return self.path / SHAPE
 
     @property
     def data_record(self) -> Path:

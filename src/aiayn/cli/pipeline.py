@@ -17,7 +17,9 @@ HELP = ("The whole job on a named corpus: learn the shared BPE vocabulary, train
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="multi30k", help="preset name or config file")
+    p.add_argument("--preset", default=None,
+                   help="preset name or config file (default: multi30k; with --ensemble auto, "
+                        "the rule's: multi30k-ensemble members or one multi30k model)")
     p.add_argument("--src-lang", default=None, help="source language (default: the preset's, en)")
     p.add_argument("--tgt-lang", default=None, help="target language (default: the preset's, de)")
     p.add_argument("--run-dir", default=None, metavar="DIR",
@@ -35,11 +37,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="length penalties alpha (§6.1, Wu et al. 2016's lp; 0 = none) to try with beam "
                         "search on the whole validation set; the best one there translates "
                         "the test set once (default: the preset's decode.alpha alone)")
-    p.add_argument("--ensemble", type=int, default=1, metavar="N",
+    p.add_argument("--ensemble", type=_ensemble_count, default=1, metavar="N|auto",
                    help="train N models at once in the same time budget (one process each, "
                         "the threads shared out, seeds train.seed ... train.seed + N - 1, one "
                         "vocabulary) and translate with their ensemble: their next-token "
-                        "probabilities averaged (default 1: one model)")
+                        "probabilities averaged (default 1: one model). auto: time a few "
+                        "updates of each shape on this machine first and take the rule's "
+                        "(aiayn.budget; docs/recipe.md): two members where each still reaches "
+                        "20 epochs in the budget, else one model on all cores, with the warmup "
+                        "sized to the projected updates")
     p.add_argument("--test-src", metavar="FILE",
                    help="the test set's source side, line-aligned with --test-tgt (plain or "
                         ".gz), e.g. newstest2014.en; needed where the dataset names no test "
@@ -51,6 +57,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+
+
+def _ensemble_count(text: str) -> int | str:
+    """``--ensemble``'s value: a count, or ``auto`` (the shape from the throughput probe)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of models or 'auto', got "
+                                         f"{text!r}") from None
+
+
+def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, say) -> Any:
+    """``--ensemble auto``: (members, preset, threads, shape record) for this run. A new run
+    learns its vocabulary into a scratch folder, times the candidate shapes
+    (:func:`aiayn.training.probe.choose_for_budget`) and writes the choice to the run
+    directory; a resumed one keeps the shape it started with.
+
+    Raises:
+        ConfigError: a budget too short to train anything (the minimum named).
+    """
+    import tempfile
+
+    from aiayn.budget import MEMBER_PRESET, SINGLE_PRESET
+    from aiayn.config import load_config, read_json_object
+    from aiayn.data.splits import load_split
+    from aiayn.data.vocab import learn_vocabulary
+    from aiayn.fileio import write_json_atomic
+    from aiayn.rundir import RunDir
+    from aiayn.training.ensemble import members_found
+    from aiayn.training.probe import choose_for_budget
+
+    layout = RunDir(run_dir)
+    if args.resume:
+        n = members_found(run_dir) or 1
+        record = read_json_object(layout.shape) if layout.shape.is_file() else None
+        preset = args.preset or (MEMBER_PRESET if n > 1 else SINGLE_PRESET)
+        return n, preset, None, record
+    probe_cfg = load_config(args.preset or MEMBER_PRESET, overrides)
+    with tempfile.TemporaryDirectory() as tmp:
+        learn_vocabulary(load_split(probe_cfg.data, "train"), probe_cfg.data).save(tmp)
+        choice = choose_for_budget(overrides, probe_cfg.train.time_budget_s, tmp,
+                                   lambda msg: say(f"[0/4] {msg}"), preset=args.preset)
+    if not any(o.startswith("train.warmup_steps=") for o in overrides):
+        overrides.append(f"train.warmup_steps={choice.warmup_steps}")
+    record = choice.to_dict()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(layout.shape, record)
+    return choice.members, choice.preset, choice.threads if choice.members > 1 else None, record
 
 
 def _ensemble_summary(members: list[dict[str, Any]]) -> dict[str, Any]:
@@ -121,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.average is not None and min(args.average) < 1:
         raise UserError(f"--average must be at least 1, got {min(args.average)}")
-    if args.ensemble < 1:
+    if args.ensemble != "auto" and args.ensemble < 1:
         raise UserError(f"--ensemble must be at least 1, got {args.ensemble}")
     overrides = list(args.set)
     if args.src_lang:
@@ -130,9 +186,16 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"data.tgt_lang={args.tgt_lang}")
     if args.time_budget_min is not None:
         overrides.append(f"train.time_budget_s={args.time_budget_min * 60}")
-    config = load_config(args.preset, overrides)
+    config = load_config(args.preset or "multi30k", overrides)
     d = config.data
     run_dir = Path(args.run_dir or f"runs/{d.dataset}-{d.src_lang}-{d.tgt_lang}")
+    shape, threads = None, None
+    if args.ensemble == "auto":
+        if not args.resume:
+            check_new_run(run_dir, 2)  # before the probe's minute, not after it
+        args.ensemble, args.preset, threads, shape = _auto_shape(args, overrides, run_dir, say)
+        config = load_config(args.preset, overrides)
+    args.preset = args.preset or "multi30k"
     # fail early, before training, if the test set is missing
     test, raw_test = _test_split(args, d)
     if test is None or len(test) == 0:
@@ -161,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ensemble > 1:
         members = train_members(config, run_dir, args.ensemble, resume=args.resume,
                                 overrides=overrides if args.resume else None,
-                                device=args.device, log=say)
+                                device=args.device, log=say, threads=threads)
         summary = _ensemble_summary(members)
         runs = member_dirs(run_dir, args.ensemble)
     else:
@@ -261,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
         # val BLEU at the chosen settings in fp32 and in the machine's reduced precision, the
         # share of identical sentences, and which one the run records (and why)
         "decode_precision_check": precision_check, "beam_size": dc.beam_size,
+        # --ensemble auto: the shape the throughput probe chose and the figures behind it
+        "shape": shape,
         **choice.to_results(run_dir, ensemble=bool(members)),
         # the text the model reads and writes: "none" (cased, detokenized, scored with
         # sacreBLEU) or "lc-norm-tok" (the Multi30k protocol's text, scored as it is)
