@@ -70,7 +70,8 @@ def _ensemble_count(text: str) -> int | str:
                                          f"{text!r}") from None
 
 
-def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, say) -> Any:
+def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, say,
+                device: Any) -> Any:
     """``--ensemble auto``: (members, preset, threads, shape record) for this run. A new run
     learns its vocabulary into a scratch folder, times the candidate shapes
     (:func:`aiayn.training.probe.choose_for_budget`) and writes the choice to the run
@@ -96,6 +97,13 @@ def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, s
         record = read_json_object(layout.shape) if layout.shape.is_file() else None
         preset = args.preset or (MEMBER_PRESET if n > 1 else SINGLE_PRESET)
         return n, preset, None, record
+    if device.type != "cpu":  # the rule's rates and shapes are CPU cores'; a GPU trains one model
+        record = {"members": 1, "threads": None, "preset": args.preset or SINGLE_PRESET,
+                  "reason": f"on {device}: one model (the probe times shapes of CPU cores)"}
+        say(f"[0/4] shape: one model of {record['preset']} on {device}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(layout.shape, record)
+        return 1, record["preset"], None, record
     probe_cfg = load_config(args.preset or MEMBER_PRESET, overrides)
     with tempfile.TemporaryDirectory() as tmp:
         learn_vocabulary(load_split(probe_cfg.data, "train"), probe_cfg.data).save(tmp)
@@ -193,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ensemble == "auto":
         if not args.resume:
             check_new_run(run_dir, 2)  # before the probe's minute, not after it
-        args.ensemble, args.preset, threads, shape = _auto_shape(args, overrides, run_dir, say)
+        args.ensemble, args.preset, threads, shape = _auto_shape(args, overrides, run_dir, say,
+                                                                 choose_device(args.device))
         config = load_config(args.preset, overrides)
     args.preset = args.preset or "multi30k"
     # fail early, before training, if the test set is missing
