@@ -403,6 +403,20 @@ def test_tiny_model_learns_to_copy(tmp_path: Path) -> None:
     assert exact >= 0.7, [(h, r) for h, r in zip(hyps, ref) if h != r][:5]
 
 
+def _token_accuracy(model, vocab, src: list[str], ref: list[str]) -> float:
+    """Teacher-forced next-token accuracy of ``model`` on the pairs (EOS included)."""
+    right = total = 0
+    model.eval()
+    with torch.no_grad():
+        for s, r in zip(src, ref):
+            gold = vocab.encode(r) + [vocab.eos_id]
+            logits = model(torch.tensor([vocab.encode(s) + [vocab.eos_id]]),
+                           torch.tensor([[vocab.bos_id] + gold[:-1]]))
+            right += sum(int(p == g) for p, g in zip(logits.argmax(-1)[0].tolist(), gold))
+            total += len(gold)
+    return right / total
+
+
 @pytest.mark.slow
 def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
         tmp_path: Path) -> None:
@@ -422,9 +436,7 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
     baseline, _, every_vocab = load_checkpoint(list_checkpoints(tmp_path / "all")[-1])
     src = (tmp_path / "valid.src").read_text().splitlines()
     ref = (tmp_path / "valid.tgt").read_text().splitlines()
-    every_hyps = Translator(baseline, every_vocab, precision="fp32").translate(
-        src, beam_size=2, max_len_b=10)
-    every_exact = sum(h == r for h, r in zip(every_hyps, ref)) / len(ref)
+    every_accuracy = _token_accuracy(baseline, every_vocab, src, ref)
     average_checkpoints(list_checkpoints(tmp_path / "run")[-2:], tmp_path / "avg")
     for path in (list_checkpoints(tmp_path / "run")[-1], tmp_path / "avg"):
         model, _, vocab = load_checkpoint(path)
@@ -444,11 +456,13 @@ def test_a_target_only_output_vocabulary_learns_and_never_emits_source_tokens(
         left_out = sorted(source_ids - allowed)
         assert torch.isneginf(logp[..., left_out]).all()
         assert torch.isfinite(logp[..., sorted(allowed)]).all()
-        # as well learned as with every token at the output (the old fixed bar, 0.85, failed
-        # at 0.83 on a Zen 3), and learned at all
-        exact = sum(h == r for h, r in zip(hyps, ref)) / len(ref)
-        assert exact >= every_exact - 0.1
-        assert exact >= 0.5
+        # as well learned as with every token at the output, on teacher-forced token accuracy
+        # over the ~1,000 validation tokens (whole-sentence exact match was too coarse for a
+        # baseline: runs that differed only in float rounding gave 0.69 and 0.88 with the
+        # baseline at 0.86 and 0.84; their token accuracies 0.952 and 0.982 against 0.980 and
+        # 0.976), and learned at all
+        assert _token_accuracy(model, vocab, src, ref) >= every_accuracy - 0.05
+        assert sum(h == r for h, r in zip(hyps, ref)) / len(ref) >= 0.5
 
 
 def test_resume_gives_the_losses_of_an_uninterrupted_run(tmp_path: Path) -> None:

@@ -34,5 +34,5 @@ def test_help_names_real_defaults_only(name):
 
 
 def test_real_defaults_are_still_shown():
-    text = SUBCOMMANDS["pipeline"].format_help()
-    assert "(default: multi30k)" in text
+    text = SUBCOMMANDS["prepare"].format_help()
+    assert "(default: 256)" in text and "(default: en)" in text
