@@ -82,7 +82,7 @@ def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, s
     """
     import tempfile
 
-    from aiayn.budget import MEMBER_PRESET, SINGLE_PRESET
+    from aiayn.budget import MEMBER_PRESET, SINGLE_PRESET, Choice
     from aiayn.config import load_config, read_json_object
     from aiayn.data.splits import load_split
     from aiayn.data.vocab import learn_vocabulary
@@ -98,17 +98,16 @@ def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, s
         preset = args.preset or (MEMBER_PRESET if n > 1 else SINGLE_PRESET)
         return n, preset, None, record
     if device.type != "cpu":  # the rule's rates and shapes are CPU cores'; a GPU trains one model
-        record = {"members": 1, "threads": None, "preset": args.preset or SINGLE_PRESET,
-                  "reason": f"on {device}: one model (the probe times shapes of CPU cores)"}
-        say(f"[0/4] shape: one model of {record['preset']} on {device}")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(layout.shape, record)
-        return 1, record["preset"], None, record
-    probe_cfg = load_config(args.preset or MEMBER_PRESET, overrides)
-    with tempfile.TemporaryDirectory() as tmp:
-        learn_vocabulary(load_split(probe_cfg.data, "train"), probe_cfg.data).save(tmp)
-        choice = choose_for_budget(overrides, probe_cfg.train.time_budget_s, tmp,
-                                   lambda msg: say(f"[0/4] {msg}"), preset=args.preset)
+        preset = args.preset or SINGLE_PRESET
+        choice = Choice(1, 0, preset, load_config(preset, overrides).train.warmup_steps, 0, 0.0,
+                        f"on {device}: one model (the probe times shapes of CPU cores)")
+        say(f"[0/4] {choice.line()}")
+    else:
+        probe_cfg = load_config(args.preset or MEMBER_PRESET, overrides)
+        with tempfile.TemporaryDirectory() as tmp:
+            learn_vocabulary(load_split(probe_cfg.data, "train"), probe_cfg.data).save(tmp)
+            choice = choose_for_budget(overrides, probe_cfg.train.time_budget_s, tmp,
+                                       lambda msg: say(f"[0/4] {msg}"), preset=args.preset)
     if not any(o.startswith("train.warmup_steps=") for o in overrides):
         overrides.append(f"train.warmup_steps={choice.warmup_steps}")
     record = choice.to_dict()

@@ -55,16 +55,14 @@ def measure(config: Config, vocab_dir: str | Path, threads: int, warm: int = WAR
     from aiayn.data.splits import load_split
     from aiayn.data.vocab import Vocabulary
     from aiayn.training.loop import Trainer
-    from aiayn.training.run import prepare_training_process
+    from aiayn.training.run import prepare_training_process, sized_to
 
     torch.set_num_threads(threads)
     device = torch.device("cpu")
     prepare_training_process(device)
     vocab = Vocabulary.load(vocab_dir)
     enc = encode_corpus(vocab, load_split(config.data, "train"), config.data.max_len)
-    model_cfg = config.model.__class__(**{**config.model.__dict__, "vocab_size": len(vocab),
-                                         "tgt_vocab_size": None})
-    config = config.replace(model=model_cfg)
+    config = sized_to(config, vocab)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(config, tmp, vocab, enc, device=device, progress=False)
         for _ in range(warm):

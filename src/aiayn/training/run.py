@@ -76,6 +76,13 @@ def train(config: Config | str, run_dir: str | Path, *, overrides: list[str] | N
                         progress=progress, init_from=init_from)
 
 
+def sized_to(config: Config, vocab: Any) -> Config:
+    """``config`` with its model's shared vocabulary the size of ``vocab`` (a new run's model
+    is built for the vocabulary it learned or was given, not the config's ``vocab_size``)."""
+    model = dataclasses.replace(config.model, vocab_size=len(vocab), tgt_vocab_size=None)
+    return config.replace(model=model)
+
+
 # model fields a resumed run may change: they do not alter the shape or meaning of the weights
 RESUMABLE_MODEL_FIELDS = ("P_drop", "attention_dropout", "word_dropout")
 
@@ -342,9 +349,7 @@ def run_training(
     vocab, train, train_text = training_data(config, vocab, vocab_path, run_dir, resume, info,
                                              log, early_text, early_vocab)
     if start_model is None and not resume:
-        model_cfg = config.model.__class__(**{**config.model.__dict__,
-                                              "vocab_size": len(vocab), "tgt_vocab_size": None})
-        config = config.replace(model=model_cfg)
+        config = sized_to(config, vocab)
     valid_corpus = load_split(config.data, "valid")
     valid_enc = encode_corpus(vocab, valid_corpus, config.data.max_len) if valid_corpus else None
     trainer = Trainer(config, run_dir, vocab, train, valid_corpus, valid_enc, dev,
