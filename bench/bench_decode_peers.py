@@ -31,8 +31,8 @@ would die of an illegal instruction), and on one without native bf16 so are the 
 With ``--threads T`` >= 2, each engine also runs at its own best layout for T cores:
 CTranslate2 int8 with ``inter_threads=T, intra_threads=1`` (T one-thread translators over one
 model, fed by ``translate_iterable``: its parallelism docs' advice for throughput), and aiayn's
-default in T forked one-thread processes over the one model (``aiayn default Tx1``), each
-decoding every T-th batch.
+default in T forked one-thread processes over the one model (``aiayn default Tx1``, as
+``aiayn translate --workers T`` decodes), each decoding every T-th batch.
 
 For each model size and search it prints sentences/s (wall time), sentences per CPU second
 (one-process rows: on a machine shared with other work, CPU time is the steadier figure), the
@@ -147,47 +147,6 @@ def ct2_worker(args: argparse.Namespace) -> int:
                       "isa": os.environ.get("CT2_FORCE_CPU_ISA", "default"),
                       "tokens": [r.hypotheses[0] for r in out]}))
     return 0
-
-
-def _in_workers(translator, lines: list[str], workers: int, batch_size: int, options: dict):
-    """Decode ``lines`` (sorted longest first) in ``workers`` forked processes of one thread
-    each, sharing the parent's model; worker w takes batches w, w + workers, ... Returns the
-    results in input order and the summed :class:`DecodeStats`."""
-    import multiprocessing as mp
-
-    import torch
-
-    from aiayn.decoding import DecodeStats
-
-    parts = [[i for i in range(len(lines)) if (i // batch_size) % workers == w]
-             for w in range(workers)]
-
-    def child(w, conn):
-        torch.set_num_threads(1)
-        stats = DecodeStats()
-        out = translator.generate([lines[i] for i in parts[w]], stats=stats, **options)
-        conn.send((out, stats))
-        conn.close()
-
-    ctx = mp.get_context("fork")
-    pipes, procs = [], []
-    for w in range(workers):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=child, args=(w, send))
-        proc.start()
-        pipes.append(recv)
-        procs.append(proc)
-    results: list = [None] * len(lines)
-    total = DecodeStats()
-    for w, recv in enumerate(pipes):
-        out, stats = recv.recv()
-        for i, r in zip(parts[w], out):
-            results[i] = r
-        total.calls += stats.calls
-        total.row_steps += stats.row_steps
-    for proc in procs:
-        proc.join()
-    return results, total
 
 
 def main() -> int:
@@ -321,8 +280,8 @@ def main() -> int:
             def run_aiayn(precision, workers=1):
                 """aiayn's product surface, as `aiayn translate` runs it: a Translator at
                 ``precision``; with ``workers`` > 1, that many forked one-thread processes
-                over the one model, each decoding every ``workers``-th batch (the same
-                batches as one process forms)."""
+                over the one model (``aiayn translate``'s ``--workers``,
+                :mod:`aiayn.decoding.workers`)."""
                 translator = Translator(model, vocab, config=config, device=device,
                                         precision=precision)
                 search = dict(beam_size=beam, alpha=0.0, max_len_a=0.0, max_len_b=args.length,
@@ -333,14 +292,9 @@ def main() -> int:
                 for _ in range(args.repeat):
                     cuda_sync()
                     t, c = time.perf_counter(), time.process_time()
-                    if workers == 1:
-                        stats = DecodeStats()
-                        out = translator.generate(lines, preprocessed=True, min_len=args.length,
-                                                  stats=stats, **search)
-                    else:
-                        out, stats = _in_workers(translator, lines, workers, args.batch_size,
-                                                 dict(preprocessed=True, min_len=args.length,
-                                                      **search))
+                    stats = DecodeStats()
+                    out = translator.generate(lines, preprocessed=True, min_len=args.length,
+                                              stats=stats, workers=workers, **search)
                     cuda_sync()
                     best = min(best, time.perf_counter() - t)
                     best_cpu = min(best_cpu, time.process_time() - c)

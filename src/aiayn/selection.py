@@ -207,7 +207,8 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
     for precision in ("fp32", "int8"):
         if precision not in outputs:
             t = Translator(translator.models, translator.vocab, config=translator.config,
-                           decode=decode, device=translator.device, precision=precision)
+                           decode=decode, device=translator.device, precision=precision,
+                           workers=translator.workers)
             outputs[precision] = t.translate(sources, preprocessed=True, progress=progress,
                                              **search)
     scores = {precision: round(bleu(hyps), 2) for precision, hyps in outputs.items()}

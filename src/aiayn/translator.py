@@ -71,6 +71,9 @@ class Translator:
             default fp32 (:func:`aiayn.precision.default_decoding_precision`).
         source: where the models came from (paths), for messages and ``aiayn serve``'s /info.
         warn: receives warnings about the input (default: the ``aiayn`` logger).
+        workers: processes :meth:`generate` decodes in by default: 1 (this one), a count, or
+            "auto" (on CPU, one one-thread process per torch thread over the one model,
+            :mod:`aiayn.decoding.workers`; the commands use it). The output is the same.
 
     Raises:
         ValueError: an empty ensemble; members with different output vocabularies or start
@@ -81,7 +84,7 @@ class Translator:
                  decode: DecodeConfig | None = None,
                  device: str | torch.device | None = None, precision: str | None = None,
                  source: list[str] | None = None,
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None, workers: int | str = 1) -> None:
         from aiayn.devices import choose_device
         from aiayn.precision import choose_precision, default_decoding_precision
 
@@ -102,6 +105,10 @@ class Translator:
         requested = precision or default_decoding_precision(None, self.device)
         self.precision = choose_precision(requested, self.device, config.model, training=False)
         self._int8_models: list | None = None  # made at the first int8 decode, then kept
+        from aiayn.decoding.workers import choose_workers
+
+        choose_workers(workers, self.device, 1)  # a bad value is refused here, not later
+        self.workers = workers
 
     @property
     def decoding_models(self) -> list:
@@ -120,7 +127,8 @@ class Translator:
     @classmethod
     def from_pretrained(cls, path: str | Path | Sequence[str | Path], *,
                         device: str | torch.device | None = None, precision: str | None = None,
-                        warn: Callable[[str], None] | None = None) -> Translator:
+                        warn: Callable[[str], None] | None = None,
+                        workers: int | str = 1) -> Translator:
         """Load a checkpoint, a run directory (single or ensemble), a list of them (an
         ensemble) or a Hugging Face Marian directory; see the module's docstring.
 
@@ -130,6 +138,7 @@ class Translator:
                 its pipeline decoded with, recorded in :data:`aiayn.rundir.GENERATION_CONFIG`).
             warn: receives what loading should say (a run whose training has not finished
                 loads its newest checkpoint); default: the ``aiayn`` logger.
+            workers: see :class:`Translator`.
 
         Raises:
             UserError: a path that is none of these (naming it and what was expected);
@@ -146,7 +155,7 @@ class Translator:
         if precision is None:  # what the run's fidelity check recorded, else fp32
             precision = default_decoding_precision(record.get("precision"), dev)
         return cls(loaded.models, loaded.vocab, config=loaded.config, decode=decode, device=dev,
-                   precision=precision, source=loaded.sources, warn=warn)
+                   precision=precision, source=loaded.sources, warn=warn, workers=workers)
 
     # --- what it decodes with ---------------------------------------------------------------
     @property
@@ -187,7 +196,7 @@ class Translator:
                  beam_rules: str | None = None, nbest: int = 1, sampling=None,
                  long_inputs: str = "truncate", preprocessed: bool = False,
                  progress: bool = False, warn: Callable[[str], None] | None = None,
-                 **engine: Any) -> list[list[Any]]:
+                 workers: int | str | None = None, **engine: Any) -> list[list[Any]]:
         """Translate ``lines``: for each, up to ``nbest``
         :class:`~aiayn.decoding.Translation` objects (text, score, log_prob, tokens), best
         first. An empty line gives one empty translation.
@@ -200,6 +209,8 @@ class Translator:
             long_inputs: "truncate" (with a warning) or "error".
             preprocessed: the lines are the model's text already (``data.preprocess``
                 applied), as the training corpus is.
+            workers: decode in this many processes (default :attr:`workers`; see
+                :class:`Translator`).
             engine: passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
                 ``min_len``: benchmarks).
 
@@ -215,7 +226,8 @@ class Translator:
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
         return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
                                sampling=sampling, bf16=self.precision.uses_bf16,
-                               long_inputs=long_inputs, warn=warn, progress=progress, **engine)
+                               long_inputs=long_inputs, warn=warn, progress=progress,
+                               workers=self.workers if workers is None else workers, **engine)
 
     def translate(self, lines: list[str], *, nbest: int = 1, **options: Any
                   ) -> list[str] | list[list[str]]:

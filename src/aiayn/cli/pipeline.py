@@ -284,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         layouts, options, args.alphas or [dc.alpha], dc, valid and valid.src,
         lambda hyps: bleu_of(hyps, valid.tgt),
         lambda paths: Translator.from_pretrained(paths, device=device,
-                                                 precision=decode_precision),
+                                                 precision=decode_precision, workers="auto"),
         ensemble=bool(members), progress=progress, say=say)
     width, alpha, by_average = choice.weights, choice.alpha, choice.by_average
     chosen = dataclasses.replace(dc, alpha=alpha)
@@ -294,14 +294,15 @@ def run(args: argparse.Namespace) -> int:
     if valid is not None and device.type == "cpu" and \
             may_reduce_decoding_precision(config.train.precision):
         precision_check = check_reduced_precision(
-            Translator.from_pretrained(choice.paths, device=device, precision="fp32"),
+            Translator.from_pretrained(choice.paths, device=device, precision="fp32",
+                                       workers="auto"),
             valid.src, lambda hyps: bleu_of(hyps, valid.tgt), chosen,
             fp32_hyps=choice.val_hyps, progress=progress)
         decode_precision = precision_check["chosen"]
         say(f"[3/4] decoding precision: {precision_check['reason']}")
     # the run directory becomes the model it reports: these members, this search
     record_choice(run_dir, choice, dc, precision=decode_precision, data=d)
-    final = Translator.from_pretrained(run_dir, device=device)
+    final = Translator.from_pretrained(run_dir, device=device, workers="auto")
     say(f"[3/4] translating {len(test)} test sentences: beam {chosen.beam_size}, alpha {alpha}, "
         f"max length input + {chosen.max_len_b} (the model {run_dir} now loads as)")
     t1 = time.monotonic()

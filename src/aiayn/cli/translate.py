@@ -53,6 +53,23 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
                         "recorded, int8 where it kept val BLEU within 0.2 of fp32; else fp32)")
     p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                    help="the same as --precision bf16")
+    p.add_argument("--workers", type=workers_value, default="auto", metavar="N",
+                   help="decode in N one-thread processes over the one model, each taking "
+                        "every N-th batch (the same output); auto: one per torch thread on "
+                        "CPU, except with --sample (default: auto)")
+
+
+def workers_value(text: str) -> int | str:
+    """``--workers``: "auto" or a count >= 1."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a count >= 1, got {text!r}")
+    return value
 
 
 _DECODE_OPTIONS = {"beam_size": "--beam", "alpha": "--alpha", "max_len_a": "--max-len-a",
@@ -110,7 +127,8 @@ def load_translator(args: argparse.Namespace, command: str):
     from aiayn.translator import Translator
 
     return Translator.from_pretrained(args.checkpoint, device=args.device,
-                                      precision=args.precision, warn=warner(command))
+                                      precision=args.precision, warn=warner(command),
+                                      workers=getattr(args, "workers", 1))
 
 
 def read_input(path: str | None) -> list[str]:

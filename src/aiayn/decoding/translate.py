@@ -97,6 +97,7 @@ def translate_nbest(
     warn: Callable[[str], None] | None = None,
     progress: bool = False,
     stats: DecodeStats | None = None,
+    workers: int | str = 1,
 ) -> list[list[Translation]]:
     """Translate ``lines`` of the model's own text; for each, up to ``nbest`` translations,
     best first. The engine under :class:`aiayn.Translator`, which owns the raw-text contract
@@ -122,11 +123,16 @@ def translate_nbest(
         progress: show a tqdm bar (sentences) on stderr.
         stats: a :class:`~aiayn.decoding.search.DecodeStats` that counts the searches'
             decoder calls and row-steps (benchmarks).
+        workers: processes that decode the batches: 1 (this one), a count, or "auto" (one
+            one-thread process per torch thread on CPU; see
+            :func:`~aiayn.decoding.workers.choose_workers`). The output is the same whatever
+            the count.
 
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
         aiayn.errors.ConfigError: an ``nbest`` the search cannot give (a ``ValueError``).
         ValueError: bad search settings; an ensemble :func:`check_ensemble` refuses.
+        RuntimeError: a worker process failed (its traceback in the message).
     """
     if nbest > 1 and (decode.beam_size == 1 or sampling is not None):
         raise ConfigError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
@@ -139,7 +145,7 @@ def translate_nbest(
         m.eval()  # no dropout while decoding; the caller's mode is restored below
     try:
         return _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache,
-                          min_len, long_inputs, warn, progress, stats)
+                          min_len, long_inputs, warn, progress, stats, workers)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)
@@ -168,13 +174,17 @@ def check_ensemble(models: list) -> None:
 
 
 def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, min_len,
-               long_inputs, warn, progress, stats):
+               long_inputs, warn, progress, stats, workers):
+    from aiayn.decoding.workers import choose_workers, run_in_workers
+
     batch_size = decode.batch_size
     device = next(models[0].parameters()).device
     max_len = min(m.config.max_len for m in models)
     sources = encode_sources(vocab, lines, max_len, long_inputs=long_inputs, warn=warn)
     results: list[list[Translation]] = [[Translation("", 0.0, 0.0, [])] for _ in lines]
     todo = sorted((i for i, s in enumerate(sources) if len(s) > 1), key=lambda i: -len(sources[i]))
+    chunks = [todo[start : start + batch_size] for start in range(0, len(todo), batch_size)]
+    workers = choose_workers(workers, device, len(chunks), sampling=sampling is not None)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -183,10 +193,11 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
         bar.update(len(lines) - len(todo))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext())
-    with torch.inference_mode(), autocast:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start : start + batch_size]
-            src = pad_sources([sources[i] for i in chunk]).to(device)  # (B, S)
+
+    def decode_chunk(chunk: list[int], counter: DecodeStats | None = stats
+                     ) -> list[list[Translation]]:
+        src = pad_sources([sources[i] for i in chunk]).to(device)  # (B, S)
+        with torch.inference_mode(), autocast:
             encoded = [model.encode(src) for model in models]  # (memory, src_mask) each
             src_lengths = encoded[0][1].sum(dim=1) - 1  # without EOS
             max_lens = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b,
@@ -200,17 +211,36 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
             step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
             if sampling is not None or decode.beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
-                                                   sampling=sampling, stats=stats)]
+                                                   sampling=sampling, stats=counter)]
             else:
                 hyps = beam_search(step, max_lens, beam_size=decode.beam_size,
                                    alpha=decode.alpha, nbest=nbest, min_len=min_len,
-                                   rules=decode.beam_rules, stats=stats)
-            for i, hs in zip(chunk, hyps):
-                results[i] = [_to_translation(vocab, h) for h in hs]
-            if bar is not None:
-                bar.update(len(chunk))
-    if bar is not None:
-        bar.close()
+                                   rules=decode.beam_rules, stats=counter)
+        return [[_to_translation(vocab, h) for h in hs] for hs in hyps]
+
+    def keep(b: int, translations: list[list[Translation]]) -> None:
+        for i, ts in zip(chunks[b], translations):
+            results[i] = ts
+        if bar is not None:
+            bar.update(len(chunks[b]))
+
+    try:
+        if workers == 1:
+            for b, chunk in enumerate(chunks):
+                keep(b, decode_chunk(chunk))
+        else:  # each child counts into its own copy of stats; the parent adds them up
+            from aiayn.model.kernels import warm_up
+
+            warm_up()  # compiled (or loaded) once here, not once per child
+            counted = run_in_workers(decode_chunk, chunks, workers, on_result=keep,
+                                     finish=lambda: stats)
+            if stats is not None:
+                for child in counted:
+                    stats.calls += child.calls
+                    stats.row_steps += child.row_steps
+    finally:
+        if bar is not None:
+            bar.close()
     return results
 
 
