@@ -194,8 +194,7 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext())
 
-    def decode_chunk(chunk: list[int], counter: DecodeStats | None = stats
-                     ) -> list[list[Translation]]:
+    def decode_chunk(chunk: list[int]) -> list[list[Translation]]:
         src = pad_sources([sources[i] for i in chunk]).to(device)  # (B, S)
         with torch.inference_mode(), autocast:
             encoded = [model.encode(src) for model in models]  # (memory, src_mask) each
@@ -211,11 +210,11 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
             step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
             if sampling is not None or decode.beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
-                                                   sampling=sampling, stats=counter)]
+                                                   sampling=sampling, stats=stats)]
             else:
                 hyps = beam_search(step, max_lens, beam_size=decode.beam_size,
                                    alpha=decode.alpha, nbest=nbest, min_len=min_len,
-                                   rules=decode.beam_rules, stats=counter)
+                                   rules=decode.beam_rules, stats=stats)
         return [[_to_translation(vocab, h) for h in hs] for hs in hyps]
 
     def keep(b: int, translations: list[list[Translation]]) -> None:
