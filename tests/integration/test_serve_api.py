@@ -16,6 +16,7 @@ import pytest
 from serving import serve_in_thread, serve_process, tiny_checkpoint
 
 from aiayn.checkpoint import load_checkpoint
+from aiayn.decoding.workers import fork_available
 from aiayn.serve import ServeLimits, create_app
 from aiayn.translator import Translator
 
@@ -75,6 +76,34 @@ def test_translate_answers_what_the_translator_gives(url, loaded):
     assert (data["beam"], data["alpha"], data["nbest"]) == (3, 0.6, 2)
     greedy = post(url, "/translate", {"lines": lines[:1], "beam": 1}).json()
     assert greedy["translations"][0][0]["score"] == greedy["translations"][0][0]["log_prob"]
+
+
+@pytest.mark.skipif(not fork_available(), reason="needs fork")
+def test_two_decoding_processes_answer_what_the_translator_gives(loaded):
+    model, config, vocab = loaded
+    limits = ServeLimits(max_lines=2, max_batch_lines=2, max_wait_ms=5)
+    app = create_app(Translator(model, vocab, config=config, workers=2), limits)
+    assert app.state.workers == 2
+    lines = ["Two dogs play in the snow.", "A man rides a bike.", "A red shirt.",
+             "Zwei Hunde spielen.", "A dog.", "Two men ride bikes in the snow."]
+    with serve_in_thread(app) as base:
+        assert httpx.get(base + "/info").json()["workers"] == 2
+        asked = [in_thread(lambda pair=lines[i : i + 2]: post(base, "/translate",
+                                                              {"lines": pair, "beam": 3}))
+                 for i in range(0, len(lines), 2)]
+        for t, _ in asked:
+            t.join(timeout=60)
+        att = post(base, "/attention", {"source": lines[0]})
+    got = []
+    for _, box in asked:
+        assert box["r"].status_code == 200, box["r"].text
+        got += [line[0] for line in box["r"].json()["translations"]]
+    direct = Translator(model, vocab, config=config).generate(lines, beam_size=3)
+    assert [g["text"] for g in got] == [d[0].text for d in direct]
+    for g, d in zip(got, direct):
+        assert g["score"] == pytest.approx(d[0].score, abs=1e-5)
+    assert att.status_code == 200 and att.json()["attention"]["cross"]["shape"][0] == \
+        config.model.N
 
 
 def test_input_tokenized_already_is_translated_with_a_warning(url, loaded):
@@ -306,12 +335,15 @@ def test_503_once_the_batcher_has_stopped(loaded):
     assert r.status_code == 503 and "shutting down" in r.json()["detail"]
 
 
-def test_sigterm_finishes_the_request_in_flight(checkpoint, tmp_path):
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.skipif(
+    not fork_available(), reason="needs fork"))])
+def test_sigterm_finishes_the_request_in_flight(checkpoint, tmp_path, workers):
     # The request waits in a batch window (60 s) longer than the graceful timeout (20 s): it is
     # answered only if the signal closes the window, else uvicorn cancels it at the timeout.
+    # With two decoding processes, they ignore the signal and end after the request.
     log = tmp_path / "serve.log"
     with serve_process(checkpoint, "--max-wait-ms", "60000", "--graceful-timeout-s", "20",
-                       log=log) as (proc, base):
+                       "--workers", workers, log=log) as (proc, base):
         thread, box = in_thread(lambda: post(base, "/translate", {"lines": ["Two dogs play."]}))
         wait_for_load(base, queued_lines=1)  # the request now waits in its batch window
         proc.send_signal(signal.SIGTERM)
@@ -320,5 +352,7 @@ def test_sigterm_finishes_the_request_in_flight(checkpoint, tmp_path):
     assert "r" in box, f"the request got no answer; the server log:\n{log.read_text()}"
     assert box["r"].status_code == 200 and box["r"].json()["translations"][0][0]["text"]
     assert rc == 0, log.read_text()
+    where = "this process" if workers == "1" else "2 one-thread processes"
+    assert f"decoding in {where}" in log.read_text()
     with pytest.raises(httpx.ConnectError):
         httpx.get(base + "/health", timeout=2)

@@ -5,6 +5,8 @@ request that is waiting in a window."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -66,3 +68,44 @@ def test_flush_answers_a_request_waiting_in_its_window_at_once():
     assert run(go, max_batch_lines=8, max_wait_s=60, max_queue_lines=16) == \
         ((["0:A"], 1), (["0:B"], 1))
 
+
+
+def test_with_concurrency_two_batches_run_at_once_and_requests_gather_meanwhile():
+    running, peak = [0], [0]
+    lock = threading.Lock()
+
+    def slow(lines, key):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return upper(lines, key)
+
+    async def main():
+        with ThreadPoolExecutor(max_workers=2) as executor:
+            b = Batcher(slow, executor=executor, max_batch_lines=2, max_wait_s=0,
+                        max_queue_lines=16, concurrency=2)
+            b.start()
+            try:
+                first = []
+                for x in "ab":  # each starts alone, in a slot of its own
+                    first.append(asyncio.ensure_future(b.submit([x], 0)))
+                    await asyncio.sleep(0.05)
+                rest = [asyncio.ensure_future(b.submit([x], 0)) for x in "cde"]
+                return await asyncio.gather(*first, *rest), b.batches_run
+            finally:
+                await b.stop()
+
+    results, batches = asyncio.run(main())
+    assert [r for r, _ in results] == [["0:A"], ["0:B"], ["0:C"], ["0:D"], ["0:E"]]
+    assert peak[0] == 2
+    # a and b ran alone (a slot each); c, d, e gathered while both were busy: c+d, then e
+    assert [n for _, n in results] == [1, 1, 2, 2, 1] and batches == 4
+
+
+def test_a_batcher_needs_a_slot():
+    with pytest.raises(ValueError, match="concurrency=0"):
+        Batcher(upper, executor=None, max_batch_lines=1, max_wait_s=0, max_queue_lines=1,
+                concurrency=0)

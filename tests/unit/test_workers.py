@@ -1,13 +1,17 @@
-"""aiayn.decoding.workers: how many processes decode, and what a failing worker does."""
+"""aiayn.decoding.workers: how many processes decode, what a failing worker does, and the
+server's pool of processes that stay alive."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
 
-from aiayn.decoding.workers import choose_workers, fork_available, run_in_workers
+from aiayn.decoding.workers import (WorkerPool, choose_workers, fork_available,
+                                   run_in_workers)
 from aiayn.errors import ConfigError
 
 needs_fork = pytest.mark.skipif(not fork_available(), reason="needs fork")
@@ -69,3 +73,67 @@ def test_a_worker_that_raises_gives_its_traceback_and_one_that_dies_its_exit_cod
 
     with pytest.raises(RuntimeError, match="decode worker 0 .* died \\(exit code 7\\)"):
         run_in_workers(dies, list(range(6)), 2, on_result=lambda b, r: None)
+
+
+def _slow_square(x):
+    time.sleep(0.3)
+    return x * x, os.getpid(), torch.get_num_threads()
+
+
+@needs_fork
+def test_a_pool_runs_tasks_from_several_threads_at_once_in_its_processes():
+    with WorkerPool(_slow_square, 2) as pool:
+        assert pool.workers == 2
+        out: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, pool.run(i)))
+                   for i in range(4)]
+        start = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        took = time.monotonic() - start
+        assert [out[i][0] for i in range(4)] == [0, 1, 4, 9]
+        assert {out[i][2] for i in out} == {1}  # one thread in each child
+        pids = {out[i][1] for i in out}
+        assert len(pids) == 2 and os.getpid() not in pids
+        assert took < 4 * 0.3  # two at once, not one after another
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run(1)
+
+
+class Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("no pickling")
+
+
+@needs_fork
+def test_a_pool_raises_the_task_error_and_goes_on_without_a_worker_that_died():
+    def task(x):
+        if x == "bad":
+            raise KeyError("bad input")
+        if x == "odd":
+            raise Unpicklable("cannot travel")
+        if x == "die":
+            os._exit(5)
+        return x
+
+    with WorkerPool(task, 2) as pool:
+        with pytest.raises(KeyError, match="bad input") as err:
+            pool.run("bad")
+        assert any("in decode worker" in note for note in err.value.__notes__)
+        with pytest.raises(RuntimeError, match="(?s)failed.*cannot travel"):
+            pool.run("odd")
+        assert pool.run("fine") == "fine"  # an error in a task leaves its worker alive
+        with pytest.raises(RuntimeError, match="died \\(exit code 5\\); 1 remain"):
+            pool.run("die")
+        assert pool.workers == 1 and pool.run("still") == "still"
+        with pytest.raises(RuntimeError, match="died"):
+            pool.run("die")
+        with pytest.raises(RuntimeError, match="every decode worker has died"):
+            pool.run("fine")
+
+
+def test_a_pool_needs_a_process():
+    with pytest.raises(ValueError, match="at least one process, got 0"):
+        WorkerPool(lambda x: x, 0)

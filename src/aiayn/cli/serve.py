@@ -14,6 +14,7 @@ HELP = ("Serve a checkpoint over HTTP: POST /translate (batched), POST /attentio
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from aiayn.cli.translate import workers_value
     from aiayn.serve.limits import ServeLimits
 
     d = ServeLimits()
@@ -30,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "else fp32)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for decoding (default: torch's choice)")
+    p.add_argument("--workers", type=workers_value, default="auto", metavar="N",
+                   help="decode /translate batches in N one-thread processes over the one "
+                        "model, forked at start, up to N batches at once (the same answers); "
+                        "auto: one per torch thread on CPU (default: auto)")
     g = p.add_argument_group("limits (a request over one is refused with 413, 422 or 429)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="request body size; more gets 413")
@@ -83,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
     translator = load_translator(args, "serve")
     app = create_app(translator, limits)
     path = " + ".join(translator.source)
-    print(f"aiayn serve: {path} on http://{args.host}:{args.port}/ (Ctrl-C or SIGTERM stops "
-          "after the requests in flight)", file=sys.stderr, flush=True)
+    workers = app.state.workers
+    print(f"aiayn serve: {path} on http://{args.host}:{args.port}/, decoding in "
+          f"{'this process' if workers == 1 else f'{workers} one-thread processes'} "
+          "(Ctrl-C or SIGTERM stops after the requests in flight)", file=sys.stderr, flush=True)
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, lets requests in flight finish
     # (up to the graceful timeout), then runs the app's shutdown, which drains the batcher.
     # The batcher's windows close at the signal, so a request in flight is decoded at once

@@ -11,11 +11,17 @@ finishes. Each batch is decoded exactly as one process decodes it, so the output
 
 It runs on CPU, where ``fork`` exists (Linux, macOS), and never for sampling (each child would
 draw from a copy of one random state). :func:`choose_workers` states the choice.
+
+:class:`WorkerPool` is the same layout kept alive for a server: it forks its children once,
+before the server starts any thread, and each call hands one task to a free child.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
+import signal
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
@@ -147,4 +153,142 @@ def run_in_workers(decode: Callable[[Any], T], batches: Sequence[Any], workers: 
             conn.close()
 
 
-__all__ = ["AUTO", "choose_workers", "fork_available", "run_in_workers"]
+class WorkerPool:
+    """``workers`` forked one-thread processes that each run ``decode(task)`` for one task at
+    a time, for as long as the pool is open: a server's decoding processes.
+
+    Fork it before the process starts threads (a thread running at fork time may hold a lock
+    the child then waits on forever): ``aiayn serve`` makes its pool before uvicorn starts.
+    The children share the parent's model copy-on-write, ignore SIGINT and SIGTERM (the
+    parent finishes the work in flight and then closes the pool), and end when the pool
+    closes or the parent dies.
+
+    :meth:`run` is thread-safe: up to ``workers`` threads can each run a task at once; one
+    more waits for a free child.
+
+    Args:
+        decode: what one task does; runs in a child, with one torch thread. Tasks and results
+            travel by pickle.
+        workers: processes, >= 1.
+
+    Raises:
+        ValueError: ``workers`` < 1.
+        aiayn.errors.ConfigError: this platform cannot fork.
+    """
+
+    def __init__(self, decode: Callable[[Any], T], workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"a worker pool needs at least one process, got {workers}")
+        if not fork_available():
+            raise ConfigError("a worker pool needs fork, which this platform lacks; "
+                              "use workers=1")
+        ctx = mp.get_context("fork")
+        self._free: queue.Queue = queue.Queue()
+        self._procs: list = []
+        self._lock = threading.Lock()
+        self._live = 0
+        self._closed = False
+
+        def child(conn) -> None:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            torch.set_num_threads(1)
+            while True:
+                try:
+                    task = conn.recv()
+                except (EOFError, OSError):  # the parent is gone
+                    return
+                if task is None:
+                    return
+                try:
+                    conn.send(("ok", decode(task)))
+                except Exception as err:  # noqa: BLE001 - the parent raises it
+                    text = traceback.format_exc()
+                    try:
+                        conn.send(("error", err, text))
+                    except Exception:  # noqa: BLE001 - the error itself does not pickle
+                        conn.send(("error", None, text))
+
+        for w in range(workers):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=child, args=(theirs,), daemon=True,
+                               name=f"aiayn-decode-{w}")
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._free.put((w, mine))
+            self._live += 1
+
+    @property
+    def workers(self) -> int:
+        """The children alive now (one that died is not replaced)."""
+        return self._live
+
+    def run(self, task: Any) -> T:
+        """``decode(task)`` in a free child; blocks until it is done.
+
+        Raises:
+            Whatever ``decode`` raised in the child (the child's traceback is added as a note),
+            or RuntimeError: the child died (its exit code; the pool goes on without it),
+            every child has died, or the pool is closed.
+        """
+        while True:
+            if self._closed:
+                raise RuntimeError("the decode worker pool is closed")
+            if self._live == 0:
+                raise RuntimeError("every decode worker has died")
+            try:
+                w, conn = self._free.get(timeout=0.5)
+                break
+            except queue.Empty:
+                continue
+        try:
+            conn.send(task)
+            reply = conn.recv()
+        except (EOFError, OSError):
+            proc = self._procs[w]
+            proc.join(timeout=5)
+            with self._lock:
+                self._live -= 1
+            conn.close()
+            raise RuntimeError(f"decode worker {w} (pid {proc.pid}) died (exit code "
+                               f"{proc.exitcode}); {self._live} remain") from None
+        self._free.put((w, conn))
+        if reply[0] == "ok":
+            return reply[1]
+        _, err, text = reply
+        if isinstance(err, Exception):
+            err.add_note(f"in decode worker {w}:\n{text}")
+            raise err
+        raise RuntimeError(f"decode worker {w} failed:\n{text}")
+
+    def close(self) -> None:
+        """End the children (after the task each is running) and wait for them; idempotent.
+        Call it once no thread is in :meth:`run`."""
+        if self._closed:
+            return
+        self._closed = True
+        while True:
+            try:
+                _, conn = self._free.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            conn.close()
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["AUTO", "WorkerPool", "choose_workers", "fork_available", "run_in_workers"]

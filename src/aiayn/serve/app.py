@@ -22,6 +22,7 @@ JSON or settings 422, a full queue or too many requests in flight 429, a server 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -150,38 +151,64 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     """The ASGI application serving ``translator`` (an :class:`aiayn.Translator`: one model
     or an ensemble, with its preprocessing, decode defaults, device and precision).
 
-    The model runs on one worker thread; the batcher starts and stops with the app's lifespan
-    (stopping finishes every queued request first).
+    ``translator.workers`` says where ``/translate`` batches are decoded
+    (:func:`aiayn.decoding.workers.choose_workers`; ``aiayn serve --workers``): 1, on one
+    thread of this process; more (or ``"auto"`` on a CPU with several torch threads), each
+    batch in one of that many one-thread processes forked here, now, before the server starts
+    any thread (:class:`aiayn.decoding.workers.WorkerPool`), up to that many batches at once.
+    The answers are the same either way. ``/attention`` runs on one thread of this process.
+    The batcher starts and stops with the app's lifespan (stopping finishes every queued
+    request first, then ends the processes).
     """
     from aiayn.data.text import tokenized_input_warning
+    from aiayn.decoding.workers import WorkerPool, choose_workers
     from aiayn.model.transformer import count_parameters
 
     limits = limits or ServeLimits()
     config, vocab = translator.config, translator.vocab
     decode = translator.decode_config
     max_len = min(m.config.max_len for m in translator.models)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiayn-model")
+    model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiayn-model")
 
     def run_batch(lines: list[str], key: tuple[int, float, int]):
         beam, alpha, nbest = key
         return translator.generate(lines, beam_size=beam, alpha=alpha, nbest=nbest,
                                    batch_size=limits.max_batch_lines, long_inputs="error",
-                                   preprocessed=True)
+                                   preprocessed=True, workers=1)
 
+    workers = choose_workers(translator.workers, translator.device, limits.max_concurrent)
+    pool = None
+    if workers > 1:
+        from aiayn.model.kernels import warm_up
+
+        _ = translator.decoding_models  # the int8 copies: made once, here, and shared
+        warm_up()  # the kernels compiled (or loaded) once here, not once per process
+        pool = WorkerPool(lambda task: run_batch(*task), workers)
+        batch_threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aiayn-pool")
     state: dict = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        batcher = Batcher(run_batch, max_batch_lines=limits.max_batch_lines,
-                          max_wait_s=limits.max_wait_ms / 1000,
-                          max_queue_lines=limits.max_queue_lines, executor=executor)
+        if pool is None:
+            batcher = Batcher(run_batch, max_batch_lines=limits.max_batch_lines,
+                              max_wait_s=limits.max_wait_ms / 1000,
+                              max_queue_lines=limits.max_queue_lines, executor=model_thread)
+        else:
+            batcher = Batcher(lambda lines, key: pool.run((lines, key)),
+                              max_batch_lines=limits.max_batch_lines,
+                              max_wait_s=limits.max_wait_ms / 1000,
+                              max_queue_lines=limits.max_queue_lines, executor=batch_threads,
+                              concurrency=workers)
         batcher.start()
         state["batcher"] = batcher
         try:
             yield
         finally:
             await batcher.stop()
-            executor.shutdown(wait=True)
+            model_thread.shutdown(wait=True)
+            if pool is not None:
+                batch_threads.shutdown(wait=True)
+                pool.close()
 
     app = FastAPI(title="aiayn", lifespan=lifespan,
                   description="Translate with a Transformer and look at its attention.")
@@ -297,9 +324,10 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
         # the model's own output may be longer than the bound on what a client may send
         max_len_b = min(decode.max_len_b, limits.max_attention_tokens)
         try:
-            maps = await batcher().run_exclusive(lambda: translator.attention(
-                source, target, beam_size=beam, alpha=alpha, max_len_b=max_len_b,
-                preprocessed=True))
+            maps = await asyncio.get_running_loop().run_in_executor(
+                model_thread, lambda: translator.attention(
+                    source, target, beam_size=beam, alpha=alpha, max_len_b=max_len_b,
+                    preprocessed=True))
         except RuntimeError as err:
             if "shutdown" in str(err):
                 raise HTTPException(503, "the server is shutting down") from None
@@ -331,7 +359,8 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 "decode": {"beam": decode.beam_size, "alpha": decode.alpha,
                            "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b,
                            "beam_rules": decode.beam_rules},
-                "limits": asdict(limits), "load": load()}
+                "limits": asdict(limits), "load": load(),
+                "workers": 1 if pool is None else pool.workers}
 
     page = resources.files("aiayn.serve").joinpath("static/index.html").read_text("utf-8")
 
@@ -346,6 +375,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
             state["batcher"].flush()
 
     app.state.limits = limits
+    app.state.workers = workers
     app.state.batcher = batcher
     app.state.begin_shutdown = begin_shutdown
     return app

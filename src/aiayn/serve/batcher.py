@@ -4,8 +4,11 @@ The first waiting request opens a window of ``max_wait_s``; the batch is run whe
 closes or as soon as ``max_batch_lines`` lines are waiting, whichever comes first (on shutdown,
 :meth:`Batcher.flush` closes every window at once). Requests with
 different search settings (beam, alpha, n-best) are never mixed: the oldest request's settings
-pick the batch, and the others wait for the next one. The model runs on one worker thread, so
-it is never used by two batches at once and the event loop stays free to accept requests.
+pick the batch, and the others wait for the next one. Batches run on worker threads, so the
+event loop stays free to accept requests: at most ``concurrency`` at once (1: one model in this
+process, never used by two batches at once; more: one batch per process of a
+:class:`aiayn.decoding.workers.WorkerPool`). While every slot is busy, requests gather, and
+the next batch takes what waits as soon as a slot frees.
 """
 
 from __future__ import annotations
@@ -44,17 +47,20 @@ class Batcher:
         max_batch_lines: lines decoded together at most (a request is never split).
         max_wait_s: how long the first waiting request waits for others to join its batch.
         max_queue_lines: lines allowed to wait; a request that would exceed it is refused.
-        executor: the thread the model runs on (shared with other model work, such as the
-            attention endpoint, through :meth:`run_exclusive`).
+        executor: the threads ``run_batch`` runs on (at least ``concurrency`` of them).
+        concurrency: batches decoded at once, >= 1.
     """
 
     def __init__(self, run_batch: Callable[[list[str], Any], list[Any]], *,
                  max_batch_lines: int, max_wait_s: float, max_queue_lines: int,
-                 executor: ThreadPoolExecutor) -> None:
-        if max_batch_lines < 1 or max_queue_lines < 1 or max_wait_s < 0:
+                 executor: ThreadPoolExecutor, concurrency: int = 1) -> None:
+        if (max_batch_lines < 1 or max_queue_lines < 1 or max_wait_s < 0
+                or concurrency < 1):
             raise ValueError(f"bad batcher limits: max_batch_lines={max_batch_lines}, "
-                             f"max_queue_lines={max_queue_lines}, max_wait_s={max_wait_s}")
+                             f"max_queue_lines={max_queue_lines}, max_wait_s={max_wait_s}, "
+                             f"concurrency={concurrency}")
         self.run_batch = run_batch
+        self.concurrency = concurrency
         self.max_batch_lines = max_batch_lines
         self.max_wait_s = max_wait_s
         self.max_queue_lines = max_queue_lines
@@ -119,10 +125,6 @@ class Batcher:
         self._wakeup.set()
         return await job.future
 
-    async def run_exclusive(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the model's worker thread, between batches."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
-
     def _take_batch(self) -> list[_Job]:
         key = self._jobs[0].key
         batch, lines, rest = [], 0, deque()
@@ -138,14 +140,18 @@ class Batcher:
         return batch
 
     async def _worker(self) -> None:
-        loop = asyncio.get_running_loop()
+        slots = asyncio.Semaphore(self.concurrency)
+        running: set[asyncio.Task] = set()
         while True:
             if not self._jobs:
                 if self._closing:
+                    if running:
+                        await asyncio.gather(*running)
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            await slots.acquire()  # requests keep gathering while every slot is busy
             deadline = self._jobs[0].arrived + self.max_wait_s
             while (not self._closing and not self._flushing
                    and self._queued_lines < self.max_batch_lines
@@ -155,19 +161,23 @@ class Batcher:
                     await asyncio.wait_for(self._wakeup.wait(), left)
                 except TimeoutError:
                     break
-            batch = self._take_batch()
-            lines = [line for job in batch for line in job.lines]
-            try:
-                results = await loop.run_in_executor(self.executor, self.run_batch, lines,
-                                                     batch[0].key)
-            except Exception as err:  # every waiting request learns of the failure
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(err)
-                continue
-            self.batches_run += 1
-            start = 0
+            task = asyncio.get_running_loop().create_task(self._run(self._take_batch()))
+            running.add(task)
+            task.add_done_callback(lambda t: (running.discard(t), slots.release()))
+
+    async def _run(self, batch: list[_Job]) -> None:
+        lines = [line for job in batch for line in job.lines]
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.run_batch, lines, batch[0].key)
+        except Exception as err:  # every waiting request learns of the failure
             for job in batch:
-                if not job.future.done():  # a client that went away cancels its future
-                    job.future.set_result((results[start : start + len(job.lines)], len(lines)))
-                start += len(job.lines)
+                if not job.future.done():
+                    job.future.set_exception(err)
+            return
+        self.batches_run += 1
+        start = 0
+        for job in batch:
+            if not job.future.done():  # a client that went away cancels its future
+                job.future.set_result((results[start : start + len(job.lines)], len(lines)))
+            start += len(job.lines)
