@@ -30,6 +30,7 @@ def main() -> None:
     with open(args.data, newline="") as f:
         rows = list(csv.DictReader(f))
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    labelled: set[tuple[float, float]] = set()  # a point both recipes share is labelled once
     for cls in dict.fromkeys(r["cpu_class"] for r in rows):
         for recipe, style in (("rule", "o-"), ("fixed", "s--")):
             pts = sorted((float(r["minutes"]), float(r["test"])) for r in rows
@@ -37,7 +38,8 @@ def main() -> None:
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, style, label=f"{LABELS[recipe]}, {cls}")
-                for x, y in pts:
+                for x, y in sorted(set(pts) - labelled):
+                    labelled.add((x, y))
                     ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(4, -12),
                                 fontsize=8)
     ax.axhline(41.02, color="grey", linestyle=":", label="Transformer-Tiny, published (41.02)")

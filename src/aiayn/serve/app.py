@@ -178,27 +178,23 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
 
     workers = choose_workers(translator.workers, translator.device, limits.max_concurrent)
     pool = None
+    decode_batch, batch_threads = run_batch, model_thread  # one model, one thread
     if workers > 1:
         from aiayn.model.kernels import warm_up
 
         _ = translator.decoding_models  # the int8 copies: made once, here, and shared
         warm_up()  # the kernels compiled (or loaded) once here, not once per process
         pool = WorkerPool(lambda task: run_batch(*task), workers)
+        decode_batch = lambda lines, key: pool.run((lines, key))  # noqa: E731
         batch_threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aiayn-pool")
     state: dict = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if pool is None:
-            batcher = Batcher(run_batch, max_batch_lines=limits.max_batch_lines,
-                              max_wait_s=limits.max_wait_ms / 1000,
-                              max_queue_lines=limits.max_queue_lines, executor=model_thread)
-        else:
-            batcher = Batcher(lambda lines, key: pool.run((lines, key)),
-                              max_batch_lines=limits.max_batch_lines,
-                              max_wait_s=limits.max_wait_ms / 1000,
-                              max_queue_lines=limits.max_queue_lines, executor=batch_threads,
-                              concurrency=workers)
+        batcher = Batcher(decode_batch, max_batch_lines=limits.max_batch_lines,
+                          max_wait_s=limits.max_wait_ms / 1000,
+                          max_queue_lines=limits.max_queue_lines, executor=batch_threads,
+                          concurrency=workers)
         batcher.start()
         state["batcher"] = batcher
         try:
