@@ -262,3 +262,39 @@ def test_convert_exports_the_model_the_run_recorded(marian, corpus, sources, tmp
     with torch.no_grad():  # the exported generation_config.json's search: greedy
         out = hf.generate(**batch, do_sample=False)
     assert tok.batch_decode(out, skip_special_tokens=True) == ours
+
+
+def test_ctranslate2_export_of_a_native_model(data_dir, tmp_path):
+    """A model with aiayn's own BPE vocabulary, the paper's interleaved positions, a ``<s>``
+    start and a target-only output layer (the main job's kind) exports through CTranslate2's
+    model specification: CTranslate2 fp32 scores aiayn's own translations with aiayn's
+    log-probabilities, and its greedy search finds the same tokens."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from aiayn.checkpoint import save_checkpoint
+    from aiayn.config import Config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from small_models import read_lines, train_small
+
+    model, vocab = train_small(data_dir, output_vocab="target")
+    config = dataclasses.replace(Config(), model=model.config)
+    ckpt, ct2 = tmp_path / "ckpt", tmp_path / "ct2"
+    save_checkpoint(ckpt, model, config, vocab)
+    assert main(["convert", "--to", "ctranslate2", str(ckpt), "-o", str(ct2)]) == 0
+    target = json.loads((ct2 / "target_vocabulary.json").read_text(encoding="utf-8"))
+    allowed = int(torch.isfinite(model.final_logits_bias).sum())
+    assert allowed < len(target) + 3 and len(target) <= allowed + 3 < len(vocab)
+    lines = read_lines(data_dir / "multi30k" / "test_2016_flickr.en.gz", 48)
+    ours = Translator(model, vocab, precision="fp32").generate(
+        lines, beam_size=1, alpha=0.0, max_len_a=0.0, max_len_b=30, preprocessed=True)
+    pieces = [vocab.tokens(s) for s in lines]
+    hyps = [[vocab.tokenizer.id_to_token(i) for i in r[0].tokens if i != vocab.eos_id]
+            for r in ours]
+    translator = ctranslate2.Translator(str(ct2), device="cpu", intra_threads=1)
+    scored = translator.score_batch(pieces, hyps)
+    for r, s in zip(ours, scored):
+        assert sum(s.log_probs) == pytest.approx(r[0].log_prob, abs=1e-3)
+    found = translator.translate_batch(pieces, beam_size=1, min_decoding_length=0,
+                                       max_decoding_length=30)
+    same = sum(f.hypotheses[0] == h for f, h in zip(found, hyps))
+    assert same >= 0.9 * len(lines)

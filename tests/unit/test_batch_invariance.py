@@ -4,53 +4,24 @@ real Multi30k pairs, so that its next-token distributions are a trained model's,
 
 from __future__ import annotations
 
-import dataclasses
-import gzip
+import sys
+from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
 
-from aiayn.config import load_config
-from aiayn.data.batching import pad_sources
-from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID, Vocabulary
-from aiayn.model import Transformer
 from aiayn.model import kernels
 from aiayn.translator import Translator
 
-
-def _read(path, n):
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [next(f).strip() for _ in range(n)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from small_models import read_lines, train_small  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained(data_dir):
     """A 2+2-layer model trained for 150 steps on 600 Multi30k pairs, with its vocabulary and
     64 test sources of varied lengths."""
-    m30k = data_dir / "multi30k"
-    src, tgt = _read(m30k / "train.en.gz", 600), _read(m30k / "train.de.gz", 600)
-    vocab = Vocabulary.learn(src + tgt, 400)
-    cfg = dataclasses.replace(load_config("tiny").model, vocab_size=len(vocab), max_len=96)
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    pairs = list(zip(vocab.encode_batch(src), vocab.encode_batch(tgt)))
-    gen = torch.Generator().manual_seed(0)
-    model.train()
-    for _ in range(150):
-        batch = [pairs[i] for i in torch.randint(len(pairs), (32,), generator=gen).tolist()]
-        s = pad_sources([a[:40] + [EOS_ID] for a, _ in batch])
-        t = pad_sources([[BOS_ID] + b[:40] + [EOS_ID] for _, b in batch])
-        logits = model(s, t[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t[:, 1:].reshape(-1),
-                               ignore_index=PAD_ID)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.eval()
-    lines = _read(m30k / "test_2016_flickr.en.gz", 64)
-    return model, vocab, lines
+    model, vocab = train_small(data_dir)
+    return model, vocab, read_lines(data_dir / "multi30k" / "test_2016_flickr.en.gz", 64)
 
 
 @pytest.mark.skipif(not kernels.AVAILABLE, reason="batch invariance needs the numba kernels")
