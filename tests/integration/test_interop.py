@@ -287,7 +287,11 @@ def test_ctranslate2_export_of_a_native_model(data_dir, tmp_path):
     lines = read_lines(data_dir / "multi30k" / "test_2016_flickr.en.gz", 48)
     ours = Translator(model, vocab, precision="fp32").generate(
         lines, beam_size=1, alpha=0.0, max_len_a=0.0, max_len_b=30, preprocessed=True)
-    pieces = [vocab.tokens(s) for s in lines]
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(ct2 / "tokenizer.json"))  # copied beside it
+    pieces = [tok.encode(s, add_special_tokens=False).tokens for s in lines]
+    assert pieces == [vocab.tokens(s) for s in lines]
     hyps = [[vocab.tokenizer.id_to_token(i) for i in r[0].tokens if i != vocab.eos_id]
             for r in ours]
     translator = ctranslate2.Translator(str(ct2), device="cpu", intra_threads=1)

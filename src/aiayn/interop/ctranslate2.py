@@ -203,7 +203,8 @@ def _export_spec(model, config, vocab, directory: Path, quantization: str | None
     tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
     try:
         spec.save(str(tmp))
-        (tmp / "tokenizer.json").write_text(vocab.to_json(), encoding="utf-8")
+        # tokenizers' own file (without the kind aiayn adds to its copy)
+        (tmp / "tokenizer.json").write_text(vocab.tokenizer.to_str(), encoding="utf-8")
         if directory.exists():
             shutil.rmtree(directory)
         tmp.replace(directory)
