@@ -25,7 +25,9 @@ timed region for the peers and inside it for aiayn (``translate_nbest`` from tex
 
 With ``--device cuda`` every system runs on the GPU (aiayn int8, a CPU path, and
 CTranslate2's ISA variants left out). On a CPU without AVX-512 the AVX512 variant is skipped (it
-would die of an illegal instruction), and on one without native bf16 so are the bf16 systems
+would die of an illegal instruction); on a simulated AVX2 class CTranslate2 runs with
+``CT2_FORCE_CPU_ISA=AVX2`` (its own kernels held to AVX2, as its oneDNN products are by
+``ONEDNN_MAX_CPU_ISA``); and on a CPU without native bf16 the bf16 systems are skipped
 (emulated bf16 runs 5-45x slower than fp32 there).
 
 With ``--threads T`` >= 2, each engine also runs at its own best layout for T cores:
@@ -74,6 +76,18 @@ def _cpu_class(torch) -> str:
     simulated = any(os.environ.get(v) for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
     return f"{torch.backends.cpu.get_cpu_capability()} class" + (" (simulated)" if simulated
                                                                   else "")
+
+
+def _ct2_isas(torch) -> list[str | None]:
+    """The ``CT2_FORCE_CPU_ISA`` values to run CTranslate2 under (None: its own choice).
+    Where torch found AVX-512: AVX512 and CTranslate2's default. On a simulated AVX2 class
+    (``ATEN_CPU_CAPABILITY`` / ``ONEDNN_MAX_CPU_ISA`` set on an AVX-512 CPU): AVX2, so that
+    CTranslate2's own kernels are held to AVX2 as aiayn's are, not only its oneDNN products.
+    Elsewhere its default (AVX512 there would die of an illegal instruction)."""
+    if "AVX512" in torch.backends.cpu.get_cpu_capability():
+        return ["AVX512", None]
+    simulated = any(os.environ.get(v) for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+    return ["AVX2"] if simulated else [None]
 
 
 def build_marian(out: Path, dims: dict, spm_model: Path, seed: int = 0) -> Path:
@@ -197,8 +211,7 @@ def main() -> int:
     # CT2_FORCE_CPU_ISA=AVX512 on a CPU without AVX-512 dies of an illegal instruction: that
     # variant runs only where torch found AVX-512 (ATEN_CPU_CAPABILITY=avx2 simulates its absence)
     capability = torch.backends.cpu.get_cpu_capability()
-    isas: list[str | None] = [None] if on_gpu else (
-        ["AVX512", None] if "AVX512" in capability else [None])
+    isas: list[str | None] = [None] if on_gpu else _ct2_isas(torch)
     if not on_gpu and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print(f"no native bf16 on this CPU ({capability}): aiayn bf16 and hf bf16 left out")
         args.skip = [*args.skip, "aiayn-bf16", "hf-bf16"]

@@ -19,7 +19,8 @@ beam size, in batches of ``--batch-size`` sentences:
 Rows: aiayn fp32 (the reference), aiayn's default (the precision its fidelity check recorded;
 int8 where val BLEU stayed within 0.2) in one process of T threads and, at T >= 2, in T forked
 one-thread processes (``aiayn translate --workers T``); CTranslate2 int8 at ``intra_threads=T``
-with ``CT2_FORCE_CPU_ISA=AVX512`` (where torch found AVX-512) and at its default ISA, and at
+with ``CT2_FORCE_CPU_ISA=AVX512`` (where torch found AVX-512) and at its default ISA
+(``AVX2`` on a simulated AVX2 class), and at
 T >= 2 with ``inter_threads=T`` (its own advice for throughput on several cores). Each row gives
 sentences/s (wall time, the whole test set, the fastest of ``--repeat``), the ratio to the best
 CTranslate2 int8 row, the BLEU of its output (the run's protocol: :func:`aiayn.evaluation.bleu.
@@ -42,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_peers import _cpu_class  # noqa: E402  (the one statement of the class)
+from bench_decode_peers import _cpu_class, _ct2_isas  # noqa: E402  (their one statement)
 
 
 def ct2_worker(args: argparse.Namespace) -> int:
@@ -124,7 +125,7 @@ def main() -> int:
     if args.sentences:
         src, refs = src[:args.sentences], refs[:args.sentences]
     capability = torch.backends.cpu.get_cpu_capability()
-    isas = ["AVX512", None] if "AVX512" in capability else [None]
+    isas = _ct2_isas(torch)
     import ctranslate2
 
     info = {"run": str(args.run), "threads": args.threads, "beam": args.beam,
