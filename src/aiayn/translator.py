@@ -118,9 +118,12 @@ class Translator:
         if not self.precision.uses_int8:
             return self.models
         if self._int8_models is None:
+            from aiayn.data.vocab import EOS_ID
             from aiayn.model.quantize import quantize_int8
 
-            self._int8_models = [quantize_int8(m) for m in self.models]
+            # decoding scores only the tokens a model can produce (PAD, BOS, EOS keep ids 0-2)
+            self._int8_models = [quantize_int8(m, step_fixed_ids=EOS_ID + 1)
+                                 for m in self.models]
         return self._int8_models
 
     # --- loading --------------------------------------------------------------------------

@@ -35,10 +35,15 @@ class StepFunction(Protocol):
     the decoder's start token (the model's ``config.decoder_start_id``: BOS, or pad in Marian
     models). Calling it advances the rows by one position. ``step.select(index)`` returns a
     step function whose row i continues row ``index[i]`` of this one (index long (n',),
-    repeats allowed).
+    repeats allowed). A step function may score fewer columns than the vocabulary has
+    (``token_ids``, long (V',): the token of each column, or None where column j is token j);
+    its columns 0-2 are then still PAD, BOS and EOS, and it leaves out only tokens it gives
+    probability 0, so the searches' results are the same. A step function without the
+    attribute scores every token.
     """
 
     start_id: int
+    token_ids: Tensor | None
 
     def __call__(self, tokens: Tensor) -> Tensor: ...
 
@@ -187,12 +192,14 @@ def greedy_search(
     while rows.numel() > 0:
         if stats is not None:
             stats.count(rows.numel())
-        logp = _log_probs(step(tokens), t, lens, min_len)  # (n, V)
+        logp = _log_probs(step(tokens), t, lens, min_len)  # (n, V) or (n, V')
         if sampling is None:
-            chosen = logp.argmax(dim=-1)
+            column = logp.argmax(dim=-1)
         else:
-            chosen = _sample(logp, sampling, generator)
-        log_prob = log_prob + logp.gather(1, chosen[:, None]).squeeze(1)
+            column = _sample(logp, sampling, generator)
+        log_prob = log_prob + logp.gather(1, column[:, None]).squeeze(1)
+        ids = getattr(step, "token_ids", None)
+        chosen = column if ids is None else ids[column]
         history.append(chosen)
         history_rows.append(rows)
         done = chosen == EOS_ID
@@ -314,6 +321,9 @@ def beam_search(
         cand = (live.unsqueeze(2) + logp.view(n, K, V)).view(n, K * V)
         top, idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K)
         beam, tok = idx // V, idx % V
+        ids = getattr(step, "token_ids", None)
+        if ids is not None:  # columns -> token ids
+            tok = ids[tok]
         is_eos = tok == EOS_ID
         # --- finished: merge EOS extensions into the K best finished ------------------------
         seq = torch.cat([live_tokens.gather(1, beam[:, :, None].expand(-1, -1, t)),
@@ -374,34 +384,43 @@ class CachedStep:
 
     Each call feeds one token per row and extends the cache by one position; earlier positions
     are never recomputed. ``select`` reorders the cache rows (beam reordering, pruning).
+    With ``compact`` it scores only the tokens the model can produce, where the model has a
+    map for that (``Transformer.step_projection``: the int8 copies of a model trained with a
+    target-only output layer); ``token_ids`` then names each column's token.
     """
 
-    def __init__(self, model, cache) -> None:
+    def __init__(self, model, cache, compact: bool = True) -> None:
         self.model = model
         self.cache = cache
+        self.compact = compact
+        self.token_ids = getattr(model, "step_token_ids", None) if compact else None
 
     @classmethod
-    def start(cls, model, memory: Tensor, src_mask: Tensor, max_steps: int = 0) -> CachedStep:
+    def start(cls, model, memory: Tensor, src_mask: Tensor, max_steps: int = 0,
+              compact: bool = True) -> CachedStep:
         """From encoder output ``memory`` (B, S, d_model) and ``src_mask`` bool (B, S);
         ``max_steps``, when known, reserves the cache for that many steps."""
-        return cls(model, model.start_cache(memory, src_mask, capacity=max_steps))
+        return cls(model, model.start_cache(memory, src_mask, capacity=max_steps), compact)
 
     @property
     def start_id(self) -> int:
         return self.model.config.decoder_start_id
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        return self.model.decode_step(tokens[:, None], self.cache)[:, -1]  # (n, V)
+        return self.model.decode_step(tokens[:, None], self.cache,
+                                      self.token_ids is not None)[:, -1]  # (n, V) or (n, V')
 
     def select(self, index: Tensor) -> CachedStep:
         """The step for rows ``index``; reorders the cache in place (``select_``), so this
         step must not be called again (the searches never do)."""
-        return CachedStep(self.model, self.cache.select_(index))
+        return CachedStep(self.model, self.cache.select_(index), self.compact)
 
 
 class UncachedStep:
     """The same decoder without a cache: every call reruns :meth:`Transformer.decode` over the
     whole prefix (quadratic work). For tests and for measuring what the cache gains."""
+
+    token_ids = None  # scores every token
 
     def __init__(self, model, memory: Tensor, src_mask: Tensor, prefix: Tensor | None = None):
         self.model = model
@@ -449,6 +468,11 @@ class EnsembleStep:
             raise ValueError("EnsembleStep needs at least one step function")
         self.steps = list(steps)
         self.start_id = steps[0].start_id
+        self.token_ids = getattr(steps[0], "token_ids", None)
+        if not all(same_columns(self.token_ids, getattr(s, "token_ids", None))
+                   for s in steps[1:]):
+            raise ValueError("ensemble members score different token columns; start their "
+                             "steps with compact=False (see same_columns)")
 
     def __call__(self, tokens: Tensor) -> Tensor:
         logp = [F.log_softmax(step(tokens).float(), dim=-1) for step in self.steps]
@@ -461,6 +485,13 @@ class EnsembleStep:
 
     def select(self, index: Tensor) -> EnsembleStep:
         return EnsembleStep([step.select(index) for step in self.steps])
+
+
+def same_columns(a: Tensor | None, b: Tensor | None) -> bool:
+    """Whether two step functions' ``token_ids`` name the same columns (both None, or equal)."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and bool(torch.equal(a, b))
 
 
 def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
@@ -477,4 +508,5 @@ def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
 __all__ = [
     "CachedStep", "DecodeStats", "EnsembleStep", "Hypothesis", "SamplingConfig", "StepFunction",
     "UncachedStep", "beam_search", "greedy_search", "length_penalty", "max_output_lengths",
+    "same_columns",
 ]

@@ -26,6 +26,7 @@ from aiayn.decoding.search import (
     beam_search,
     greedy_search,
     max_output_lengths,
+    same_columns,
 )
 from aiayn.config import DecodeConfig
 from aiayn.errors import ConfigError, UserError
@@ -193,6 +194,10 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
         bar.update(len(lines) - len(todo))
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext())
+    # each model scores only the tokens it can produce where it can (its int8 copy's
+    # step_projection); an ensemble only where its members' columns agree
+    ids = [getattr(m, "step_token_ids", None) for m in models]
+    compact = all(same_columns(ids[0], i) for i in ids[1:])
 
     def decode_chunk(chunk: list[int]) -> list[list[Translation]]:
         src = pad_sources([sources[i] for i in chunk]).to(device)  # (B, S)
@@ -202,7 +207,8 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
             max_lens = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b,
                                           max_len)
             if use_cache:  # the start token plus at most max_lens tokens
-                steps = [CachedStep.start(model, memory, src_mask, int(max_lens.max()) + 1)
+                steps = [CachedStep.start(model, memory, src_mask, int(max_lens.max()) + 1,
+                                          compact)
                          for model, (memory, src_mask) in zip(models, encoded)]
             else:
                 steps = [UncachedStep.start(model, memory, src_mask)

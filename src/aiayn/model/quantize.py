@@ -158,7 +158,8 @@ def _replace_linears(module: nn.Module) -> None:
             _replace_linears(child)
 
 
-def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True) -> nn.Module:
+def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
+                  step_fixed_ids: int | None = None) -> nn.Module:
     """An int8 inference copy of a :class:`~aiayn.model.Transformer` (see the module
     docstring), in eval mode, on the model's device. Decode with it as with the model.
 
@@ -167,7 +168,10 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True) -> nn.Module:
     (Marian) as its bias: a ``-inf`` placeholder bias keeps its zero probability. ``model``
     itself, and its training mode, are left as they are. With ``fuse_qkv`` (the default)
     each self-attention's W^Q, W^K and W^V become one map (same outputs, one quantization of
-    their shared input).
+    their shared input). With ``step_fixed_ids`` (the searches' special ids: PAD, BOS and EOS
+    are ids 0-2), a model whose output layer can produce only some tokens also gets decoding's
+    own int8 map onto those (``step_projection``, ``step_token_ids``:
+    :meth:`~aiayn.model.Transformer.output_token_ids`): the same logits for them, less work.
     """
     q = copy.deepcopy(model).eval()
     for p in q.parameters():
@@ -181,6 +185,10 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True) -> nn.Module:
             ffn.W_1.relu = True
             ffn.activation = _identity
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
+    ids = None if step_fixed_ids is None else q.output_token_ids(step_fixed_ids)
+    if ids is not None:
+        q.step_projection = Int8Linear(q.tgt_embed.weight[ids], q.final_logits_bias[ids])
+        q.step_token_ids = ids
     return q
 
 

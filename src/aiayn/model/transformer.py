@@ -468,6 +468,11 @@ class Transformer(nn.Module):
         # an inference stand-in for the tied pre-softmax map (``project``); None: the map is
         # F.linear over tgt_embed.weight. Set by quantize_int8 (aiayn.model.quantize).
         self.output_projection: nn.Module | None = None
+        # decoding's own output map (:meth:`decode_step` with ``compact=True``): only the
+        # tokens the model can produce, ``step_token_ids`` (V',) naming each column's token.
+        # None: decode_step projects onto every token. Set by quantize_int8.
+        self.step_projection: nn.Module | None = None
+        self.step_token_ids: Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -508,6 +513,23 @@ class Transformer(nn.Module):
         bias = torch.full_like(self.final_logits_bias, float("-inf"))
         bias[ids.to(bias.device)] = 0.0
         self.final_logits_bias.copy_(bias)
+
+    def output_token_ids(self, fixed: int) -> Tensor | None:
+        """The tokens the output layer can produce, as long (V',) ids in increasing order, with
+        ids 0 .. ``fixed`` - 1 always in (so that in a map onto these columns, column i is token
+        i for i < ``fixed``: the searches' special ids, PAD, BOS and EOS); None when every token
+        can be produced (no ``-inf`` bias).
+
+        A map onto these columns gives every producible token the logit the full map gives it,
+        and drops only tokens of probability 0: a search finds the same tokens, for ``V'/V`` of
+        the output layer's work (not in the paper; see ``ModelConfig.output_vocab``).
+        """
+        bias = self.final_logits_bias
+        if bias is None or not bool(torch.isinf(bias).any()):
+            return None
+        keep = torch.isfinite(bias)
+        keep[:fixed] = True
+        return keep.nonzero().squeeze(1)
 
     def set_dropout_active(self, active: bool) -> None:
         """Switch all of the model's dropout (``P_drop``, ``attention_dropout`` and
@@ -633,16 +655,19 @@ class Transformer(nn.Module):
         return DecoderCache.start(cross, src_mask, window=window, capacity=capacity,
                                   gather=gather)
 
-    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+    def decode_step(self, tokens: Tensor, cache: DecoderCache, compact: bool = False) -> Tensor:
         """Logits for the position after ``tokens``, reusing and extending ``cache``.
 
         Args:
             tokens: (B, t_new) ids of the newest positions (usually t_new = 1).
             cache: from :meth:`start_cache`, holding the t positions decoded before; it is
                 extended in place by t_new positions.
+            compact: where :attr:`step_projection` is set, score only the producible tokens:
+                column j is token ``step_token_ids[j]`` (see :meth:`output_token_ids`).
 
         Returns:
-            logits (B, t_new, V_tgt); ``[:, -1]`` scores the next token.
+            logits (B, t_new, V_tgt), or (B, t_new, V') with ``compact`` where
+            :attr:`step_projection` is set; ``[:, -1]`` scores the next token.
         """
         cross_mask = cache.src_mask[:, None, None, :]
         x = self._embed(self.tgt_embed, tokens, offset=cache.length)
@@ -652,6 +677,10 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder):
             x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i, cross_len=cross_len)
         cache.advance(tokens.shape[1])
+        if compact and self.step_projection is not None:
+            if self.decoder_norm is not None:
+                x = self.decoder_norm(x)
+            return self.step_projection(x)
         return self.project(x)
 
 
