@@ -17,8 +17,10 @@ beam size, in batches of ``--batch-size`` sentences:
   engine as a user would run it at that setting.
 
 Rows: aiayn fp32 (the reference), aiayn's default (the precision its fidelity check recorded;
-int8 where val BLEU stayed within 0.2) in one process of T threads and, at T >= 2, in T forked
-one-thread processes (``aiayn translate --workers T``); CTranslate2 int8 at ``intra_threads=T``
+int8 where val BLEU stayed within 0.2) in one process of T threads, the same over every
+output column (``all columns``: without the compact output map of a target-only output layer,
+to measure that lever alone) and, at T >= 2, in T forked one-thread processes (``aiayn
+translate --workers T``); CTranslate2 int8 at ``intra_threads=T``
 with ``CT2_FORCE_CPU_ISA=AVX512`` (where torch found AVX-512) and at its default ISA
 (``AVX2`` on a simulated AVX2 class), and at
 T >= 2 with ``inter_threads=T`` (its own advice for throughput on several cores). Each row gives
@@ -86,8 +88,8 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     p.add_argument("--repeat", type=int, default=2, help="runs per figure; the fastest is kept")
     p.add_argument("--skip", nargs="*", default=[],
-                   help="systems to leave out (aiayn-fp32, aiayn-workers, ct2-AVX512, "
-                        "ct2-default, ct2-inter)")
+                   help="systems to leave out (aiayn-fp32, aiayn-full-columns, "
+                        "aiayn-workers, ct2-AVX512, ct2-default, ct2-inter)")
     p.add_argument("--json-out", default=None, help="write all results here as JSON")
     p.add_argument("--work-dir", default=None, help="keep the exported model here")
     p.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
@@ -184,6 +186,17 @@ def main() -> int:
             "aiayn fp32", seconds, ids, row_steps=steps)
         seconds, ids, steps = run_aiayn(translator)
         record(f"aiayn default ({translator.precision.chosen})", seconds, ids, row_steps=steps)
+        compact = [m for m in translator.decoding_models
+                   if getattr(m, "step_projection", None) is not None]
+        if compact and "aiayn-full-columns" not in args.skip:
+            # the compact output map's lever alone: the same path over every column
+            kept = [(m.step_projection, m.step_token_ids) for m in compact]
+            for m in compact:
+                m.step_projection = m.step_token_ids = None
+            seconds, ids, steps = run_aiayn(translator)
+            for m, (proj, tok) in zip(compact, kept):
+                m.step_projection, m.step_token_ids = proj, tok
+            record("aiayn default, all columns", seconds, ids, row_steps=steps)
         if args.threads >= 2 and "aiayn-workers" not in args.skip:
             seconds, ids, steps = run_aiayn(translator, workers=args.threads)
             record(f"aiayn default {args.threads}x1", seconds, ids, row_steps=steps)
