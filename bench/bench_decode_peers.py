@@ -198,6 +198,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    from aiayn.devices import keep_freed_memory
+
+    keep_freed_memory()  # as `aiayn translate` does (aiayn.cli.DECODING_COMMANDS)
     from aiayn.devices import choose_device
 
     device = choose_device(args.device or "cpu")

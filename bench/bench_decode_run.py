@@ -107,6 +107,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    from aiayn.devices import keep_freed_memory
+
+    keep_freed_memory()  # as `aiayn translate` does (aiayn.cli.DECODING_COMMANDS)
     from aiayn.data.splits import load_split
     from aiayn.decoding import DecodeStats
     from aiayn.evaluation.bleu import bleu_protocol, corpus_bleu

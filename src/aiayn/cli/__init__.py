@@ -64,15 +64,22 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+#: Commands that decode many batches and then exit: they keep freed memory for reuse
+#: (:func:`aiayn.devices.keep_freed_memory`). ``train`` does so where its process starts.
+DECODING_COMMANDS = ("translate", "evaluate", "pipeline")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    from aiayn.devices import widen_onednn_cache
+    from aiayn.devices import keep_freed_memory, widen_onednn_cache
 
     widen_onednn_cache()  # a process the command line starts: before its first bf16 product
+    if args.command in DECODING_COMMANDS:
+        keep_freed_memory()  # each batch's logits and caches reuse the last one's pages
     try:
         return int(args._run(args) or 0)
     except (UserError, OSError) as err:
