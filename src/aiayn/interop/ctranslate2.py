@@ -38,6 +38,7 @@ import torch
 
 from aiayn.errors import UserError
 from aiayn.interop.marian import export_hf
+from aiayn.rundir import TOKENIZER  # the same file name as a run's
 
 
 def export_ctranslate2(model, config, vocab, directory: str | Path,
@@ -204,7 +205,7 @@ def _export_spec(model, config, vocab, directory: Path, quantization: str | None
     try:
         spec.save(str(tmp))
         # tokenizers' own file (without the kind aiayn adds to its copy)
-        (tmp / "tokenizer.json").write_text(vocab.tokenizer.to_str(), encoding="utf-8")
+        (tmp / TOKENIZER).write_text(vocab.tokenizer.to_str(), encoding="utf-8")
         if directory.exists():
             shutil.rmtree(directory)
         tmp.replace(directory)
