@@ -46,7 +46,7 @@ def keep_freed_memory() -> bool:
     step reuse the first one's pages. Decoding gains more: on the main job's model (one
     thread, beam 4, test_2016_flickr) each batch's logits, log-probabilities and caches of
     several MiB faulted in afresh, and keeping them took decoding from 226 to 269 sentences/s
-    (``docs/benchmarks.md``). The process keeps its peak memory until it exits, which suits
+    (bf16 class, AMD EPYC family 25; ``docs/benchmarks.md``). The process keeps its peak memory until it exits, which suits
     a training run and a batch command (``aiayn translate``, ``evaluate``, ``pipeline``); a
     library or a server should not call it for its users.
     """

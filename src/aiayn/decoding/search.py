@@ -183,6 +183,7 @@ def greedy_search(
     rows = torch.arange(B, device=device)  # sentence of each live row
     lens = max_lens.clone()
     tokens = torch.full((B,), step.start_id, dtype=torch.long, device=device)
+    ids = getattr(step, "token_ids", None)  # column -> token id (one map for every step)
     log_prob = torch.zeros(B, device=device)
     out_tokens: list[list[int]] = [[] for _ in range(B)]
     out_logp = [0.0] * B
@@ -198,7 +199,6 @@ def greedy_search(
         else:
             column = _sample(logp, sampling, generator)
         log_prob = log_prob + logp.gather(1, column[:, None]).squeeze(1)
-        ids = getattr(step, "token_ids", None)
         chosen = column if ids is None else ids[column]
         history.append(chosen)
         history_rows.append(rows)
@@ -308,6 +308,7 @@ def beam_search(
     fin_tokens = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (n, K, t)
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     last = torch.full((B,), step.start_id, dtype=torch.long, device=device)  # one row each
+    ids = getattr(step, "token_ids", None)  # column -> token id (one map for every step)
     t = 0
     while True:
         n = live.shape[0]
@@ -321,7 +322,6 @@ def beam_search(
         cand = (live.unsqueeze(2) + logp.view(n, K, V)).view(n, K * V)
         top, idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K)
         beam, tok = idx // V, idx % V
-        ids = getattr(step, "token_ids", None)
         if ids is not None:  # columns -> token ids
             tok = ids[tok]
         is_eos = tok == EOS_ID

@@ -23,7 +23,8 @@ training text was (``aiayn.Translator.preprocess``)::
     out = translator.translate_batch([pieces], beam_size=4)
 
 A model trained with a target-only output layer (``output_vocab = "target"``) gets a target
-vocabulary of just the tokens its output bias allows (plus ``<s>``, ``</s>`` and ``<unk>``):
+vocabulary of just the tokens its output bias allows (plus ``<pad>``, ``<s>``, ``</s>`` and
+``<unk>``, each with a logit bias that keeps a banned one at probability 0):
 the tokens it cannot produce are left out of the soft-max, as aiayn leaves them out.
 """
 
@@ -110,8 +111,9 @@ def _export_spec(model, config, vocab, directory: Path, quantization: str | None
     model's positional table, decoder started from ``config.model.decoder_start_id``.
 
     Raises:
-        UserError: a setting the specification cannot express (learned-free variants are
-            fine; an attention window, word dropout at inference or d_k * h != d_model are not).
+        UserError: a setting the specification cannot express (an attention window, an FFN
+            activation other than relu, d_k * h != d_model), or a vocabulary of another size
+            than the embeddings.
     """
     import numpy as np
     from ctranslate2.specs import common_spec, transformer_spec
@@ -148,40 +150,38 @@ def _export_spec(model, config, vocab, directory: Path, quantization: str | None
     if len(pieces) != src_emb.shape[0] or tgt_emb.shape[0] != len(pieces):
         raise UserError(f"the vocabulary has {len(pieces)} tokens but the model's embeddings "
                         f"{src_emb.shape[0]} / {tgt_emb.shape[0]} rows")
-    # the target vocabulary: the tokens the output layer can produce, and the specials
+    # the target vocabulary: the tokens the output layer can produce, and the special ids
+    # (PAD, BOS, EOS, UNK: the first four) that CTranslate2's config names
+    keep_t = model.output_token_ids(vocab.unk_id + 1)
+    if keep_t is None:
+        keep_t = torch.arange(len(pieces))
+    keep_t = keep_t.cpu()
+    keep = keep_t.tolist()
     bias = sd.get("final_logits_bias")
-    keep = list(range(len(pieces)))
-    if bias is not None and bool(torch.isinf(bias).any()):
-        specials = {cfg.decoder_start_id, vocab.eos_id, vocab.unk_id}
-        keep = [i for i in keep if i in specials or not bool(torch.isinf(bias[i]))]
-    keep_t = torch.tensor(keep)
 
     enc = spec.encoder
     enc.embeddings[0].weight = arr(src_emb)
     enc.position_encodings.encodings = table
-    for i, layer in enumerate(enc.layer):
-        p = f"encoder.{i}"
+    def self_attention_and_ffn(layer, p, attn_norm):  # what both stacks' layers share
         linear(layer.self_attention.linear[0], *(f"{p}.self_attn.W_{x}" for x in "qkv"))
         linear(layer.self_attention.linear[1], f"{p}.self_attn.W_o")
-        norm(layer.self_attention.layer_norm, f"{p}.res_attn.norm")
+        norm(layer.self_attention.layer_norm, f"{p}.{attn_norm}.norm")
         linear(layer.ffn.linear_0, f"{p}.ffn.W_1")
         linear(layer.ffn.linear_1, f"{p}.ffn.W_2")
         norm(layer.ffn.layer_norm, f"{p}.res_ffn.norm")
+
+    for i, layer in enumerate(enc.layer):
+        self_attention_and_ffn(layer, f"encoder.{i}", "res_attn")
     dec = spec.decoder
     dec.embeddings.weight = arr(tgt_emb[keep_t])
     dec.position_encodings.encodings = table
     for i, layer in enumerate(dec.layer):
         p = f"decoder.{i}"
-        linear(layer.self_attention.linear[0], *(f"{p}.self_attn.W_{x}" for x in "qkv"))
-        linear(layer.self_attention.linear[1], f"{p}.self_attn.W_o")
-        norm(layer.self_attention.layer_norm, f"{p}.res_self.norm")
+        self_attention_and_ffn(layer, p, "res_self")
         linear(layer.attention.linear[0], f"{p}.cross_attn.W_q")
         linear(layer.attention.linear[1], f"{p}.cross_attn.W_k", f"{p}.cross_attn.W_v")
         linear(layer.attention.linear[2], f"{p}.cross_attn.W_o")
         norm(layer.attention.layer_norm, f"{p}.res_cross.norm")
-        linear(layer.ffn.linear_0, f"{p}.ffn.W_1")
-        linear(layer.ffn.linear_1, f"{p}.ffn.W_2")
-        norm(layer.ffn.layer_norm, f"{p}.res_ffn.norm")
     if pre:
         norm(enc.layer_norm, "encoder_norm")
         norm(dec.layer_norm, "decoder_norm")
