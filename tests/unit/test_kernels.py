@@ -109,6 +109,8 @@ def test_quantize_rows_and_the_fused_relu_are_torchs_numbers():
     x = torch.randn(33, 96) * torch.logspace(-3, 3, 33)[:, None]
     x[0, :6] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 127.0]) * (x[0].abs().max() / 127)
     x[1] = 0.0
+    x[1, ::2] = -0.0
+    x[2, 7] = -3.0 * x[2].abs().max()  # the largest magnitude is a negative value
     a8, a_scale = _quantize_rows(x)
     b8, b_scale = kernels.quantize_rows(x)
     assert torch.equal(a8, b8) and torch.equal(a_scale, b_scale)

@@ -99,11 +99,14 @@ def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, s
                     ov[dd] = acc[dd]
 
 
-@_njit(fastmath={"nnan", "ninf", "nsz", "reassoc"})
-def _amax(xr):  # pragma: no cover - compiled
-    top = np.float32(0.0)
+@_njit()
+def _amax_bits(xr):  # pragma: no cover - compiled
+    # max |x| over a float32 row, as the int32 bits of the float: with the sign bit cleared,
+    # the bits of non-negative floats order as the floats do, so an integer maximum (which
+    # vectorizes; the float one did not: 7x slower) gives the exact maximum.
+    top = np.int32(0)
     for c in range(xr.shape[0]):
-        top = max(top, abs(xr[c]))
+        top = max(top, xr[c] & np.int32(0x7FFFFFFF))
     return top
 
 
@@ -115,9 +118,13 @@ def _quantize_rows(x, levels, x8, scale):  # pragma: no cover - compiled
     # does, and vectorizes (a call to rint per element does not).
     M, K = x.shape
     magic = np.float32(12582912.0)
+    bits = x.view(np.int32)
+    top = np.empty(1, np.int32)
+    top_f = top.view(np.float32)
     for r in range(M):
         xr, qr = x[r], x8[r]
-        s = max(_amax(xr), np.float32(1e-12)) / np.float32(levels)
+        top[0] = _amax_bits(bits[r])
+        s = max(top_f[0], np.float32(1e-12)) / np.float32(levels)
         scale[r, 0] = s
         for c in range(K):
             qr[c] = np.int32((xr[c] / s + magic) - magic)
