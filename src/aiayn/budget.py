@@ -20,6 +20,15 @@ The rule (``docs/recipe.md``, "The shape follows the machine"):
 3. The warmup is :data:`WARMUP_SHARE` of the projected updates, at most the preset's own
    (1,600): a bf16-class hour (about 5,800 updates a member on a Zen 4) keeps 1,600, and a
    slow CPU no longer spends most of its hour warming up.
+4. Dropout follows the projected epochs: a model projected to train fewer than
+   :data:`LOW_DROPOUT_EPOCHS` epochs trains with ``P_drop`` at most :data:`LOW_P_DROP` and
+   attention dropout at most :data:`LOW_ATTENTION_DROPOUT` (:func:`dropout_for`); the preset's
+   0.2 / 0.1 were chosen on val for hours of 25-48 epochs, and regularise more than a short
+   run can use. Whole val, one `multi30k` model: 33.40 against the preset's 28.64 at 10
+   minutes (8 epochs), 38.70 against 38.43 at 20 minutes (16-17 epochs, with 8% more
+   updates): the gain is gone by 16 epochs, so the threshold lies between (``docs/recipe.md``,
+   "Dropout follows the budget"). Ensemble members, which reach :data:`TARGET_EPOCHS` by
+   rule 2, keep the preset's dropout.
 
 A shape given by the user (``--ensemble``, ``--preset``, ``--set train.warmup_steps``) is kept:
 this rule only fills what was left to it.
@@ -36,6 +45,11 @@ from aiayn.errors import ConfigError
 TARGET_EPOCHS = 20.0
 #: The warmup, as a share of the projected updates (capped by the preset's warmup_steps).
 WARMUP_SHARE = 0.28
+#: Below this many projected epochs a model trains with less dropout (:func:`dropout_for`).
+LOW_DROPOUT_EPOCHS = 12.0
+#: A short run's caps on ``model.P_drop`` and ``model.attention_dropout``.
+LOW_P_DROP = 0.1
+LOW_ATTENTION_DROPOUT = 0.0
 #: Fewest projected updates that can train anything: the budget's floor.
 MIN_UPDATES = 200
 #: The ensemble members' preset and the single model's.
@@ -80,14 +94,17 @@ class Choice:
     projected_epochs: float
     reason: str
     candidates: list[dict[str, Any]] = field(default_factory=list)
+    dropout: dict[str, float] = field(default_factory=dict)
 
     def line(self) -> str:
         """One line for the job's start: the shape and why."""
         shape = (f"{self.members} members × {self.threads} thread(s)" if self.members > 1
                  else f"one model × {self.threads} thread(s)")
+        dropout = "".join(f", {key.split('.')[-1]} at most {cap:g}"
+                          for key, cap in self.dropout.items())
         return (f"shape: {shape} of {self.preset}, projected {self.projected_updates:,} "
                 f"updates ({self.projected_epochs:.1f} epochs) each, warmup "
-                f"{self.warmup_steps:,}: {self.reason}")
+                f"{self.warmup_steps:,}{dropout}: {self.reason}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +114,28 @@ def warmup_for(projected_updates: float, preset_warmup: int) -> int:
     """The warmup for a run projected to make ``projected_updates`` updates:
     :data:`WARMUP_SHARE` of them, at most ``preset_warmup``, at least 1."""
     return max(1, min(preset_warmup, round(WARMUP_SHARE * projected_updates)))
+
+
+def dropout_for(projected_epochs: float) -> dict[str, float]:
+    """Caps on the config's dropout fields for a model projected to train ``projected_epochs``
+    epochs: ``{"model.P_drop": LOW_P_DROP, "model.attention_dropout": LOW_ATTENTION_DROPOUT}``
+    below :data:`LOW_DROPOUT_EPOCHS`, else none (the preset's own). A cap never raises a
+    preset's value (``aiayn pipeline`` applies ``min(preset, cap)``)."""
+    if projected_epochs >= LOW_DROPOUT_EPOCHS:
+        return {}
+    return {"model.P_drop": LOW_P_DROP, "model.attention_dropout": LOW_ATTENTION_DROPOUT}
+
+
+def choice_overrides(choice: Choice, overrides: list[str], model: Any) -> list[str]:
+    """The ``--set`` values (``SECTION.FIELD=VALUE``) that ``choice`` adds to the user's
+    ``overrides``: its warmup, and its dropout caps as ``min(the preset's value, cap)``
+    (``model``: the chosen preset's model config, the user's overrides applied), each only
+    where the user did not set that field."""
+    wanted = {"train.warmup_steps": choice.warmup_steps}
+    for key, cap in choice.dropout.items():
+        wanted[key] = min(getattr(model, key.split(".", 1)[1]), cap)
+    return [f"{key}={value}" for key, value in wanted.items()
+            if not any(o.startswith(f"{key}=") for o in overrides)]
 
 
 def choose_shape(candidates: list[Candidate], budget_s: float, corpus_tokens: int,
@@ -145,11 +184,11 @@ def choose_shape(candidates: list[Candidate], budget_s: float, corpus_tokens: in
                   f"{most.projected_epochs(budget_s, corpus_tokens):.1f} epochs each, under "
                   f"{TARGET_EPOCHS:g}: one model sees more of the corpus")
     updates = best.projected_updates(budget_s)
+    epochs = best.projected_epochs(budget_s, corpus_tokens)
     return Choice(members=best.members, threads=best.threads, preset=best.preset,
                   warmup_steps=warmup_for(updates, preset_warmup),
-                  projected_updates=round(updates),
-                  projected_epochs=round(best.projected_epochs(budget_s, corpus_tokens), 1),
-                  reason=reason, candidates=table)
+                  projected_updates=round(updates), projected_epochs=round(epochs, 1),
+                  reason=reason, candidates=table, dropout=dropout_for(epochs))
 
 
 def default_choice(cores: int, why: str, preset_warmup: int) -> Choice:
@@ -163,5 +202,6 @@ def default_choice(cores: int, why: str, preset_warmup: int) -> Choice:
                   f"the probe could not run ({why}); the default shape for one core")
 
 
-__all__ = ["Candidate", "Choice", "MEMBER_PRESET", "MIN_UPDATES", "SINGLE_PRESET",
-           "TARGET_EPOCHS", "WARMUP_SHARE", "choose_shape", "default_choice", "warmup_for"]
+__all__ = ["Candidate", "Choice", "LOW_ATTENTION_DROPOUT", "LOW_DROPOUT_EPOCHS", "LOW_P_DROP",
+           "MEMBER_PRESET", "MIN_UPDATES", "SINGLE_PRESET", "TARGET_EPOCHS", "WARMUP_SHARE",
+           "choice_overrides", "choose_shape", "default_choice", "dropout_for", "warmup_for"]

@@ -1,13 +1,16 @@
 """The main job's shape rule (aiayn.budget) on stubbed throughputs: a fast machine gets an
-ensemble, a slow one one model; the warmup follows the projected updates; a budget too
+ensemble, a slow one one model; the warmup and the dropout follow the projection; a budget too
 short is refused with its minimum; a probe that cannot run falls back to a stated default."""
 
 from __future__ import annotations
 
 import pytest
 
-from aiayn.budget import (MEMBER_PRESET, MIN_UPDATES, SINGLE_PRESET, TARGET_EPOCHS,
-                          WARMUP_SHARE, Candidate, choose_shape, default_choice, warmup_for)
+from aiayn.budget import (LOW_ATTENTION_DROPOUT, LOW_DROPOUT_EPOCHS, LOW_P_DROP, MEMBER_PRESET,
+                          MIN_UPDATES, SINGLE_PRESET, TARGET_EPOCHS, WARMUP_SHARE, Candidate,
+                          choice_overrides, choose_shape, default_choice, dropout_for,
+                          warmup_for)
+from aiayn.config import load_config
 from aiayn.errors import ConfigError
 
 CORPUS_TOKENS = 29_000 * 13  # Multi30k's German side, about
@@ -51,6 +54,33 @@ def test_the_warmup_is_a_share_of_the_projected_updates_capped_by_the_preset() -
     big = choose_shape(machine(0.5, 0.9), 2 * budget, CORPUS_TOKENS, 1600)
     assert small.warmup_steps < big.warmup_steps <= 1600
     assert small.warmup_steps == warmup_for(small.projected_updates, 1600)
+
+
+def test_dropout_follows_the_projected_epochs() -> None:
+    caps = {"model.P_drop": LOW_P_DROP, "model.attention_dropout": LOW_ATTENTION_DROPOUT}
+    assert dropout_for(LOW_DROPOUT_EPOCHS) == {} and dropout_for(LOW_DROPOUT_EPOCHS - 0.1) == caps
+    hour = 3600.0
+    need = TARGET_EPOCHS / epochs_per_s(1.0) / hour  # member updates/s that just reach it
+    members = choose_shape(machine(1.1 * need, 1.7 * need), hour, CORPUS_TOKENS, 1600)
+    assert members.members == 2 and members.dropout == {}  # members reach TARGET_EPOCHS
+    # one model: the preset's dropout over a long budget, the caps over a short one
+    single_rate = LOW_DROPOUT_EPOCHS / epochs_per_s(1.0) / hour  # reaches it in the hour
+    long = choose_shape(machine(0.5 * need, 1.2 * single_rate), hour, CORPUS_TOKENS, 1600)
+    short = choose_shape(machine(0.5 * need, 1.2 * single_rate), hour / 2, CORPUS_TOKENS, 1600)
+    assert long.members == short.members == 1
+    assert long.dropout == {} and "at most" not in long.line()
+    assert short.dropout == caps and "P_drop at most 0.1" in short.line()
+    assert default_choice(2, "one core", 1600).dropout == {}
+    # the run gets min(preset, cap), and a field the user set stays the user's
+    model = load_config(SINGLE_PRESET).model  # P_drop 0.2, attention dropout 0.1
+    assert choice_overrides(short, [], model) == [
+        f"train.warmup_steps={short.warmup_steps}", f"model.P_drop={min(model.P_drop, 0.1)}",
+        f"model.attention_dropout={min(model.attention_dropout, 0.0)}"]
+    assert choice_overrides(short, ["model.P_drop=0.3", "train.warmup_steps=5"], model) == [
+        f"model.attention_dropout={min(model.attention_dropout, 0.0)}"]
+    none = load_config("tiny").model  # P_drop 0: a cap never raises it
+    assert f"model.P_drop={none.P_drop}" in choice_overrides(short, [], none)
+    assert choice_overrides(long, [], model) == [f"train.warmup_steps={long.warmup_steps}"]
 
 
 def test_a_budget_too_short_is_refused_with_the_minimum() -> None:

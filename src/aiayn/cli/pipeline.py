@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "updates of each shape on this machine first and take the rule's "
                         "(aiayn.budget; docs/recipe.md): two members where each still reaches "
                         "20 epochs in the budget, else one model on all cores, with the warmup "
-                        "sized to the projected updates")
+                        "sized to the projected updates and less dropout under 12 projected "
+                        "epochs")
     p.add_argument("--test-src", metavar="FILE",
                    help="the test set's source side, line-aligned with --test-tgt (plain or "
                         ".gz), e.g. newstest2014.en; needed where the dataset names no test "
@@ -82,7 +83,7 @@ def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, s
     """
     import tempfile
 
-    from aiayn.budget import MEMBER_PRESET, SINGLE_PRESET, Choice
+    from aiayn.budget import MEMBER_PRESET, SINGLE_PRESET, Choice, choice_overrides
     from aiayn.config import load_config, read_json_object
     from aiayn.data.splits import load_split
     from aiayn.data.vocab import learn_vocabulary
@@ -108,8 +109,7 @@ def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, s
             learn_vocabulary(load_split(probe_cfg.data, "train"), probe_cfg.data).save(tmp)
             choice = choose_for_budget(overrides, probe_cfg.train.time_budget_s, tmp,
                                        lambda msg: say(f"[0/4] {msg}"), preset=args.preset)
-    if not any(o.startswith("train.warmup_steps=") for o in overrides):
-        overrides.append(f"train.warmup_steps={choice.warmup_steps}")
+    overrides += choice_overrides(choice, overrides, load_config(choice.preset, overrides).model)
     record = choice.to_dict()
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(layout.shape, record)
