@@ -24,14 +24,13 @@ The rule (``docs/recipe.md``, "The shape follows the machine"):
    :data:`LOW_DROPOUT_EPOCHS` epochs trains with ``P_drop`` at most :data:`LOW_P_DROP` and
    attention dropout at most :data:`LOW_ATTENTION_DROPOUT` (:func:`dropout_for`); the preset's
    0.2 / 0.1 were chosen on val for hours of 25-48 epochs, and regularise more than a short
-   run can use. Whole val, one `multi30k` model: 33.40 against the preset's 28.64 at 10
-   minutes (8 epochs), 38.70 against 38.43 at 20 minutes (16-17 epochs, with 8% more
-   updates): the gain is gone by 16 epochs, so the threshold lies between (``docs/recipe.md``,
-   "Dropout follows the budget"). Ensemble members, which reach :data:`TARGET_EPOCHS` by
-   rule 2, keep the preset's dropout.
+   run can use; the val runs that placed the threshold (a large gain at 8 epochs, none left
+   at 16) are in ``docs/recipe.md``, "Dropout follows the budget". Ensemble members, which
+   reach :data:`TARGET_EPOCHS` by rule 2, keep the preset's dropout.
 
-A shape given by the user (``--ensemble``, ``--preset``, ``--set train.warmup_steps``) is kept:
-this rule only fills what was left to it.
+A shape given by the user (``--ensemble``, ``--preset``, ``--set train.warmup_steps``,
+``--set model.P_drop=...``) is kept: this rule only fills what was left to it
+(:func:`choice_overrides`).
 """
 
 from __future__ import annotations

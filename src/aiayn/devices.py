@@ -43,11 +43,10 @@ def keep_freed_memory() -> bool:
     pages, each faulted in (and zeroed) by the kernel on first touch: 12,000-18,000 page
     faults a ``multi30k`` step, about 1 µs each on this machine, ~4% of the step. Raising
     the mmap threshold to its 64-bit maximum and never trimming the heap makes the second
-    step reuse the first one's pages. Decoding gains more: on the main job's model (one
-    thread, beam 4, test_2016_flickr) each batch's logits, log-probabilities and caches of
-    several MiB faulted in afresh, and keeping them took decoding from 226 to 269 sentences/s
-    (bf16 class, AMD EPYC family 25; ``docs/benchmarks.md``). The process keeps its peak memory until it exits, which suits
-    a training run and a batch command (``aiayn translate``, ``evaluate``, ``pipeline``); a
+    step reuse the first one's pages. Decoding gains more: each batch's logits,
+    log-probabilities and caches of several MiB faulted in afresh (the figures are in
+    ``docs/benchmarks.md``). The process keeps its peak memory until it exits, which suits a
+    training run and a batch command (``aiayn translate``, ``evaluate``, ``pipeline``); a
     library or a server should not call it for its users.
     """
     import ctypes

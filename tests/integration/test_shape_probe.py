@@ -53,8 +53,6 @@ def test_auto_shape_is_probed_said_and_recorded(tmp_path: Path, capsys) -> None:
     config = json.loads(((run_dir / "member-1") if shape["members"] > 1 else run_dir)
                         .joinpath("config.json").read_text())
     assert config["train"]["warmup_steps"] == shape["warmup_steps"]
-    for key, cap in shape["dropout"].items():  # a short run's dropout caps, where the rule set any
-        assert config["model"][key.split(".")[1]] <= cap
 
 
 def test_a_budget_too_short_is_refused_with_its_minimum(tmp_path: Path, capsys) -> None:

@@ -73,11 +73,14 @@ def test_dropout_follows_the_projected_epochs() -> None:
     assert default_choice(2, "one core", 1600).dropout == {}
     # the run gets min(preset, cap), and a field the user set stays the user's
     model = load_config(SINGLE_PRESET).model  # P_drop 0.2, attention dropout 0.1
+    low_p, low_att = min(model.P_drop, LOW_P_DROP), min(model.attention_dropout,
+                                                        LOW_ATTENTION_DROPOUT)
+    assert (low_p, low_att) == (LOW_P_DROP, LOW_ATTENTION_DROPOUT)  # the preset's are higher
     assert choice_overrides(short, [], model) == [
-        f"train.warmup_steps={short.warmup_steps}", f"model.P_drop={min(model.P_drop, 0.1)}",
-        f"model.attention_dropout={min(model.attention_dropout, 0.0)}"]
+        f"train.warmup_steps={short.warmup_steps}", f"model.P_drop={low_p}",
+        f"model.attention_dropout={low_att}"]
     assert choice_overrides(short, ["model.P_drop=0.3", "train.warmup_steps=5"], model) == [
-        f"model.attention_dropout={min(model.attention_dropout, 0.0)}"]
+        f"model.attention_dropout={low_att}"]
     none = load_config("tiny").model  # P_drop 0: a cap never raises it
     assert f"model.P_drop={none.P_drop}" in choice_overrides(short, [], none)
     assert choice_overrides(long, [], model) == [f"train.warmup_steps={long.warmup_steps}"]

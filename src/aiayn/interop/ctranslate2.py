@@ -162,6 +162,7 @@ def _export_spec(model, config, vocab, directory: Path, quantization: str | None
     enc = spec.encoder
     enc.embeddings[0].weight = arr(src_emb)
     enc.position_encodings.encodings = table
+
     def self_attention_and_ffn(layer, p, attn_norm):  # what both stacks' layers share
         linear(layer.self_attention.linear[0], *(f"{p}.self_attn.W_{x}" for x in "qkv"))
         linear(layer.self_attention.linear[1], f"{p}.self_attn.W_o")
