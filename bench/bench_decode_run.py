@@ -2,6 +2,7 @@
 
 Run:  AIAYN_DATA_DIR=../shared/data python bench/bench_decode_run.py --run RUN_DIR
       [--threads 1] [--beam 4] [--alphas 0 run] [--sentences 1000] [--repeat 2] [--json-out F]
+      [--shortlist VMAP]
 
 ``RUN_DIR`` is a finished ``aiayn pipeline`` run of one model (the main job on the AVX2 class,
 or at a short budget), or one member folder of an ensemble run (CTranslate2 has no ensembles).
@@ -23,9 +24,12 @@ to measure that lever alone) and, at T >= 2, in T forked one-thread processes (`
 translate --workers T``); CTranslate2 int8 at ``intra_threads=T``
 with ``CT2_FORCE_CPU_ISA=AVX512`` (where torch found AVX-512) and at its default ISA
 (``AVX2`` on a simulated AVX2 class), and at
-T >= 2 with ``inter_threads=T`` (its own advice for throughput on several cores). Each row gives
+T >= 2 with ``inter_threads=T`` (its own advice for throughput on several cores). With
+``--shortlist VMAP`` (``aiayn shortlist``; opt-in, it changes outputs), two more rows: aiayn's
+default with that shortlist, and CTranslate2 int8 with the same file as its own vmap
+(``use_vmap=True``), their ratio printed apart. Each row gives
 sentences/s (wall time, the whole test set, the fastest of ``--repeat``), the ratio to the best
-CTranslate2 int8 row, the BLEU of its output (the run's protocol: :func:`aiayn.evaluation.bleu.
+CTranslate2 int8 row without a vmap, the BLEU of its output (the run's protocol: :func:`aiayn.evaluation.bleu.
 corpus_bleu`), the share of sentences token-identical to aiayn fp32, and for aiayn the decoder
 row-steps its searches made (:class:`aiayn.decoding.DecodeStats`; CTranslate2 reports none).
 Timing starts from preprocessed text for aiayn and from pieces for CTranslate2.
@@ -58,7 +62,8 @@ def ct2_worker(args: argparse.Namespace) -> int:
                                         compute_type=args.compute_type,
                                         intra_threads=args.threads // inter, inter_threads=inter)
     opts = dict(beam_size=args.beam, length_penalty=args.alpha, min_decoding_length=0,
-                max_decoding_length=256, max_batch_size=args.batch_size)
+                max_decoding_length=256, max_batch_size=args.batch_size,
+                use_vmap=args.use_vmap)
 
     def run(batch):
         if inter == 1:
@@ -90,6 +95,9 @@ def main() -> int:
     p.add_argument("--skip", nargs="*", default=[],
                    help="systems to leave out (aiayn-fp32, aiayn-full-columns, "
                         "aiayn-workers, ct2-AVX512, ct2-default, ct2-inter)")
+    p.add_argument("--shortlist", default=None, metavar="VMAP",
+                   help="a vocabulary shortlist of the run (`aiayn shortlist`): adds aiayn's "
+                        "default with it and CTranslate2 int8 with it as its vmap")
     p.add_argument("--json-out", default=None, help="write all results here as JSON")
     p.add_argument("--work-dir", default=None, help="keep the exported model here")
     p.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
@@ -98,6 +106,7 @@ def main() -> int:
     p.add_argument("--compute-type", help=argparse.SUPPRESS)
     p.add_argument("--alpha", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--inter-threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--use-vmap", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.ct2_worker:
         return ct2_worker(args)
@@ -145,7 +154,14 @@ def main() -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="aiayn-bench-run-"))
     ct2_dir = work / "ct2"
     fp32_model = Translator.from_pretrained(args.run, precision="fp32")
-    export_ctranslate2(fp32_model.decoding_models[0], config, vocab, ct2_dir)
+    export_ctranslate2(fp32_model.decoding_models[0], config, vocab, ct2_dir,
+                       vmap=args.shortlist)
+    shortlist = None
+    if args.shortlist:
+        from aiayn.decoding.shortlist import Shortlist
+
+        shortlist = Shortlist.load(args.shortlist, vocab)
+        info["shortlist"] = str(args.shortlist)
     pieces_file = work / "pieces.json"
     pieces_file.write_text(json.dumps([vocab.tokens(s) for s in src]), encoding="utf-8")
     eos = vocab.eos_id
@@ -189,6 +205,11 @@ def main() -> int:
             "aiayn fp32", seconds, ids, row_steps=steps)
         seconds, ids, steps = run_aiayn(translator)
         record(f"aiayn default ({translator.precision.chosen})", seconds, ids, row_steps=steps)
+        if shortlist is not None:  # opt-in: changes outputs
+            translator.shortlist = shortlist
+            seconds, ids, steps = run_aiayn(translator)
+            translator.shortlist = None
+            record("aiayn default, shortlist", seconds, ids, row_steps=steps)
         compact = [m for m in translator.decoding_models
                    if getattr(m, "step_projection", None) is not None]
         if compact and "aiayn-full-columns" not in args.skip:
@@ -203,10 +224,12 @@ def main() -> int:
         if args.threads >= 2 and "aiayn-workers" not in args.skip:
             seconds, ids, steps = run_aiayn(translator, workers=args.threads)
             record(f"aiayn default {args.threads}x1", seconds, ids, row_steps=steps)
-        layouts = [(isa, 1) for isa in isas]
+        layouts = [(isa, 1, False) for isa in isas]
         if args.threads >= 2 and "ct2-inter" not in args.skip:
-            layouts.append((isas[0], args.threads))
-        for isa, inter in layouts:
+            layouts.append((isas[0], args.threads, False))
+        if shortlist is not None:
+            layouts.append((isas[0], 1, True))
+        for isa, inter, use_vmap in layouts:
             if f"ct2-{isa or 'default'}" in args.skip:
                 continue
             env = {**os.environ, "CT2_VERBOSE": "1"}
@@ -217,14 +240,16 @@ def main() -> int:
                    "--pieces", str(pieces_file), "--compute-type", "int8", "--beam",
                    str(args.beam), "--alpha", str(alpha), "--threads", str(args.threads),
                    "--batch-size", str(args.batch_size), "--repeat", str(args.repeat),
-                   "--inter-threads", str(inter)]
+                   "--inter-threads", str(inter)] + (["--use-vmap"] if use_vmap else [])
             proc = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
             res = json.loads(proc.stdout)
             used = re.search(r"Selected ISA: (\S+)", proc.stderr)
             ids = [[vocab.tokenizer.token_to_id(t) for t in hyp] for hyp in res["tokens"]]
-            record(f"ct2 int8 {isa or 'default'}" + (f" {inter}x1" if inter > 1 else ""),
+            record(f"ct2 int8 {isa or 'default'}" + (f" {inter}x1" if inter > 1 else "")
+                   + (" vmap" if use_vmap else ""),
                    res["seconds"], ids, ct2_isa=used.group(1) if used else None)
-        ct2 = [r for name, r in rows.items() if name.startswith("ct2 int8")]
+        ct2 = [r for name, r in rows.items()
+               if name.startswith("ct2 int8") and not name.endswith("vmap")]
         best = max(ct2, key=lambda r: r["sent_per_s"]) if ct2 else None
         if best:
             for row in rows.values():
@@ -232,6 +257,12 @@ def main() -> int:
             print(f"    ratio to {best['system']} (ISA {best.get('ct2_isa')}), wall time: "
                   + ", ".join(f"{r['system']} {r['x_ct2_int8_best']:.2f}"
                               for r in rows.values()), flush=True)
+        vmap_rows = [r for name, r in rows.items() if name.endswith(" vmap")]
+        if vmap_rows and "aiayn default, shortlist" in rows:  # both engines shortlisted
+            ours = rows["aiayn default, shortlist"]
+            ours["x_ct2_int8_vmap"] = ours["sent_per_s"] / vmap_rows[0]["sent_per_s"]
+            print(f"    shortlisted: aiayn {ours['x_ct2_int8_vmap']:.2f}x "
+                  f"{vmap_rows[0]['system']}", flush=True)
         results.extend(rows.values())
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({**info, "results": results}, indent=1),

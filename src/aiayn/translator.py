@@ -74,6 +74,10 @@ class Translator:
         workers: processes :meth:`generate` decodes in by default: 1 (this one), a count, or
             "auto" (on CPU, one one-thread process per torch thread over the one model,
             :mod:`aiayn.decoding.workers`; the commands use it). The output is the same.
+        shortlist: a vocabulary shortlist (opt-in; it changes outputs): a
+            :class:`~aiayn.decoding.shortlist.Shortlist`, or the path of its vmap file
+            (``aiayn shortlist``); each sentence then produces only the tokens its source
+            tokens list, scored over the batch's union (:mod:`aiayn.decoding.shortlist`).
 
     Raises:
         ValueError: an empty ensemble; members with different output vocabularies or start
@@ -84,7 +88,8 @@ class Translator:
                  decode: DecodeConfig | None = None,
                  device: str | torch.device | None = None, precision: str | None = None,
                  source: list[str] | None = None,
-                 warn: Callable[[str], None] | None = None, workers: int | str = 1) -> None:
+                 warn: Callable[[str], None] | None = None, workers: int | str = 1,
+                 shortlist=None) -> None:
         from aiayn.devices import choose_device
         from aiayn.precision import choose_precision, default_decoding_precision
 
@@ -109,6 +114,11 @@ class Translator:
 
         choose_workers(workers, self.device, 1)  # a bad value is refused here, not later
         self.workers = workers
+        if shortlist is not None and not hasattr(shortlist, "candidates"):
+            from aiayn.decoding.shortlist import Shortlist
+
+            shortlist = Shortlist.load(shortlist, vocab)
+        self.shortlist = shortlist
 
     @property
     def decoding_models(self) -> list:
@@ -131,7 +141,7 @@ class Translator:
     def from_pretrained(cls, path: str | Path | Sequence[str | Path], *,
                         device: str | torch.device | None = None, precision: str | None = None,
                         warn: Callable[[str], None] | None = None,
-                        workers: int | str = 1) -> Translator:
+                        workers: int | str = 1, shortlist=None) -> Translator:
         """Load a checkpoint, a run directory (single or ensemble), a list of them (an
         ensemble) or a Hugging Face Marian directory; see the module's docstring.
 
@@ -141,7 +151,7 @@ class Translator:
                 its pipeline decoded with, recorded in :data:`aiayn.rundir.GENERATION_CONFIG`).
             warn: receives what loading should say (a run whose training has not finished
                 loads its newest checkpoint); default: the ``aiayn`` logger.
-            workers: see :class:`Translator`.
+            workers, shortlist: see :class:`Translator`.
 
         Raises:
             UserError: a path that is none of these (naming it and what was expected);
@@ -158,7 +168,8 @@ class Translator:
         if precision is None:  # what the run's fidelity check recorded, else fp32
             precision = default_decoding_precision(record.get("precision"), dev)
         return cls(loaded.models, loaded.vocab, config=loaded.config, decode=decode, device=dev,
-                   precision=precision, source=loaded.sources, warn=warn, workers=workers)
+                   precision=precision, source=loaded.sources, warn=warn, workers=workers,
+                   shortlist=shortlist)
 
     # --- what it decodes with ---------------------------------------------------------------
     @property
@@ -215,7 +226,7 @@ class Translator:
             workers: decode in this many processes (default :attr:`workers`; see
                 :class:`Translator`).
             engine: passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
-                ``min_len``: benchmarks).
+                ``min_len``: benchmarks; ``shortlist``: default :attr:`shortlist`).
 
         Raises:
             aiayn.errors.ConfigError: bad settings (naming them; a ``ValueError``).
@@ -227,6 +238,7 @@ class Translator:
         decode = self.decode_settings(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                              max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
+        engine.setdefault("shortlist", self.shortlist)
         return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
                                sampling=sampling, bf16=self.precision.uses_bf16,
                                long_inputs=long_inputs, warn=warn, progress=progress,

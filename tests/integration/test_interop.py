@@ -302,3 +302,47 @@ def test_ctranslate2_export_of_a_native_model(data_dir, tmp_path):
                                        max_decoding_length=30)
     same = sum(f.hypotheses[0] == h for f, h in zip(found, hyps))
     assert same >= 0.9 * len(lines)
+
+
+def test_ctranslate2_reads_aiayn_shortlist_as_its_vmap(data_dir, tmp_path):
+    """``aiayn shortlist``'s file is CTranslate2's vmap: exported with ``--vmap``, a sentence
+    decoded alone (where CTranslate2's batch union is the sentence's own list) gets the tokens
+    aiayn's shortlisted greedy search gives it."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from aiayn.checkpoint import save_checkpoint
+    from aiayn.config import Config
+    from aiayn.decoding.shortlist import Shortlist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from small_models import read_lines, train_small
+
+    model, vocab = train_small(data_dir, output_vocab="target")
+    m30k = data_dir / "multi30k"
+    src, tgt = read_lines(m30k / "train.en.gz", 600), read_lines(m30k / "train.de.gz", 600)
+    shortlist = Shortlist.build(zip(vocab.encode_batch(src), vocab.encode_batch(tgt)),
+                                len(vocab), first=20, best=10)
+    vmap = shortlist.save(tmp_path / "vmap.txt", vocab)
+    ckpt, ct2 = tmp_path / "ckpt", tmp_path / "ct2"
+    save_checkpoint(ckpt, model, dataclasses.replace(Config(), model=model.config), vocab)
+    assert main(["convert", "--to", "ctranslate2", str(ckpt), "-o", str(ct2), "--vmap",
+                 str(vmap)]) == 0
+    assert (ct2 / "vmap.txt").is_file()
+    lines = read_lines(m30k / "test_2016_flickr.en.gz", 24)
+    ours = Translator(model, vocab, precision="fp32", shortlist=shortlist).generate(
+        lines, beam_size=1, alpha=0.0, max_len_a=0.0, max_len_b=30, preprocessed=True)
+    free = Translator(model, vocab, precision="fp32").generate(
+        lines, beam_size=1, alpha=0.0, max_len_a=0.0, max_len_b=30, preprocessed=True)
+    hyps = [[vocab.tokenizer.id_to_token(i) for i in r[0].tokens if i != vocab.eos_id]
+            for r in ours]
+    assert hyps != [[vocab.tokenizer.id_to_token(i) for i in r[0].tokens if i != vocab.eos_id]
+                    for r in free]  # the lists change some outputs
+    translator = ctranslate2.Translator(str(ct2), device="cpu", intra_threads=1)
+    found = [translator.translate_batch([vocab.tokens(s)], beam_size=1, use_vmap=True,
+                                        min_decoding_length=0, max_decoding_length=30)[0]
+             for s in lines]
+    same = sum(f.hypotheses[0] == h for f, h in zip(found, hyps))
+    assert same >= 0.9 * len(lines)
+    bad = tmp_path / "other.txt"
+    bad.write_text("\tno-such-token\n", encoding="utf-8")
+    assert main(["convert", "--to", "ctranslate2", str(ckpt), "-o", str(tmp_path / "x"),
+                 "--vmap", str(bad)]) == 2

@@ -173,3 +173,23 @@ def test_translate_and_evaluate_with_an_ensemble(checkpoint, tmp_path, capsys):
                  *FAST]) == 2
     err = capsys.readouterr().err
     assert f"{other}: its vocabulary differs from {checkpoint}'s" in err
+
+
+def test_shortlist_command_and_translate_with_it(checkpoint, data_dir, tmp_path, capsys):
+    """``aiayn shortlist`` learns a vmap file from the checkpoint's training data (the first
+    300 Multi30k pairs here); ``translate --shortlist`` reads it; a bad file is one line."""
+    vmap = tmp_path / "vmap.txt"
+    assert main(["shortlist", "--checkpoint", str(checkpoint), "-o", str(vmap),
+                 "--max-sentences", "300", "--first", "10", "--best", "5", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["always"] == 10 and 0 < summary["targets_per_source_token"] <= 6
+    assert vmap.read_text(encoding="utf-8").startswith("\t")
+    rc, out = translate(checkpoint, tmp_path, b"Two dogs play in the snow.\n\nA man.\n",
+                        "--shortlist", str(vmap))
+    assert rc == 0 and len(out.splitlines()) == 3 and out.splitlines()[1] == ""
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\tno-such-token\n")
+    rc, _ = translate(checkpoint, tmp_path, b"Two dogs.\n", "--shortlist", str(bad))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{bad}:1: target token 'no-such-token'" in err
+    assert "Traceback" not in err

@@ -29,6 +29,7 @@ COMMANDS = {
     "experiment": "aiayn.cli.experiment",
     "parse": "aiayn.cli.parse",
     "convert": "aiayn.cli.convert",
+    "shortlist": "aiayn.cli.shortlist",
 }
 
 

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None,
                    help="with --to ctranslate2: CTranslate2 weight type (int8, int8_float32, "
                         "bfloat16, ...); default: fp32 as stored")
+    p.add_argument("--vmap", default=None, metavar="FILE",
+                   help="with --to ctranslate2: a vocabulary shortlist (`aiayn shortlist`) "
+                        "to include, for CTranslate2's use_vmap=True")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
 
 
@@ -40,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quantization and args.to_format != "ctranslate2":
         raise UserError("--quantization applies to --to ctranslate2 only")
+    if args.vmap and args.to_format != "ctranslate2":
+        raise UserError("--vmap applies to --to ctranslate2 only")
     if args.from_format == "hf":
         from aiayn.interop.marian import import_hf
 
@@ -62,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
             else:
                 from aiayn.interop.ctranslate2 import export_ctranslate2
 
-                export_ctranslate2(model, config, vocab, args.output, args.quantization)
+                export_ctranslate2(model, config, vocab, args.output, args.quantization,
+                                   args.vmap)
         except UserError as err:
             raise UserError(f"{args.input}: {err}") from None
     summary = {"input": args.input, "output": args.output,

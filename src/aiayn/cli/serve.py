@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "else fp32)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads for decoding (default: torch's choice)")
+    p.add_argument("--shortlist", default=None, metavar="VMAP",
+                   help="as aiayn translate's: a vocabulary shortlist (`aiayn shortlist`); "
+                        "faster, changes outputs (off by default)")
     p.add_argument("--workers", type=workers_value, default="auto", metavar="N",
                    help="decode /translate batches in N one-thread processes over the one "
                         "model, forked at start, up to N batches at once (the same answers); "

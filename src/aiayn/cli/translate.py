@@ -53,6 +53,11 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
                         "recorded, int8 where it kept val BLEU within 0.2 of fp32; else fp32)")
     p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                    help="the same as --precision bf16")
+    p.add_argument("--shortlist", default=None, metavar="VMAP",
+                   help="a vocabulary shortlist (`aiayn shortlist`; CTranslate2's vmap "
+                        "format): each sentence produces only the target tokens its source "
+                        "tokens list, plus the most frequent ones. Faster; changes outputs "
+                        "(off by default)")
     p.add_argument("--workers", type=workers_value, default="auto", metavar="N",
                    help="decode in N one-thread processes over the one model, each taking "
                         "every N-th batch (the same output); auto: one per torch thread on "
@@ -128,7 +133,8 @@ def load_translator(args: argparse.Namespace, command: str):
 
     return Translator.from_pretrained(args.checkpoint, device=args.device,
                                       precision=args.precision, warn=warner(command),
-                                      workers=getattr(args, "workers", 1))
+                                      workers=getattr(args, "workers", 1),
+                                      shortlist=getattr(args, "shortlist", None))
 
 
 def read_input(path: str | None) -> list[str]:

@@ -389,31 +389,41 @@ class CachedStep:
     target-only output layer); ``token_ids`` then names each column's token.
     """
 
-    def __init__(self, model, cache, compact: bool = True) -> None:
+    def __init__(self, model, cache, compact: bool = True,
+                 projection: tuple[torch.nn.Module, Tensor] | None = None) -> None:
         self.model = model
         self.cache = cache
         self.compact = compact
-        self.token_ids = getattr(model, "step_token_ids", None) if compact else None
+        self.projection = projection
+        if projection is not None:  # (map, its columns' token ids): a shortlist's
+            self.token_ids = projection[1]
+        else:
+            self.token_ids = getattr(model, "step_token_ids", None) if compact else None
 
     @classmethod
     def start(cls, model, memory: Tensor, src_mask: Tensor, max_steps: int = 0,
-              compact: bool = True) -> CachedStep:
+              compact: bool = True, projection: tuple[torch.nn.Module, Tensor] | None = None
+              ) -> CachedStep:
         """From encoder output ``memory`` (B, S, d_model) and ``src_mask`` bool (B, S);
-        ``max_steps``, when known, reserves the cache for that many steps."""
-        return cls(model, model.start_cache(memory, src_mask, capacity=max_steps), compact)
+        ``max_steps``, when known, reserves the cache for that many steps. ``projection``:
+        (map, token ids (V',)) to score only those columns (a shortlist's,
+        :meth:`~aiayn.model.Transformer.output_map`)."""
+        return cls(model, model.start_cache(memory, src_mask, capacity=max_steps), compact,
+                   projection)
 
     @property
     def start_id(self) -> int:
         return self.model.config.decoder_start_id
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        return self.model.decode_step(tokens[:, None], self.cache,
-                                      self.token_ids is not None)[:, -1]  # (n, V) or (n, V')
+        projection = None if self.projection is None else self.projection[0]
+        return self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
+                                      projection)[:, -1]  # (n, V) or (n, V')
 
     def select(self, index: Tensor) -> CachedStep:
         """The step for rows ``index``; reorders the cache in place (``select_``), so this
         step must not be called again (the searches never do)."""
-        return CachedStep(self.model, self.cache.select_(index), self.compact)
+        return CachedStep(self.model, self.cache.select_(index), self.compact, self.projection)
 
 
 class UncachedStep:

@@ -28,6 +28,7 @@ from aiayn.decoding.search import (
     max_output_lengths,
     same_columns,
 )
+from aiayn.decoding.shortlist import ShortlistStep
 from aiayn.config import DecodeConfig
 from aiayn.errors import ConfigError, UserError
 
@@ -99,6 +100,7 @@ def translate_nbest(
     progress: bool = False,
     stats: DecodeStats | None = None,
     workers: int | str = 1,
+    shortlist=None,
 ) -> list[list[Translation]]:
     """Translate ``lines`` of the model's own text; for each, up to ``nbest`` translations,
     best first. The engine under :class:`aiayn.Translator`, which owns the raw-text contract
@@ -128,6 +130,8 @@ def translate_nbest(
             one-thread process per torch thread on CPU; see
             :func:`~aiayn.decoding.workers.choose_workers`). The output is the same whatever
             the count.
+        shortlist: a :class:`~aiayn.decoding.shortlist.Shortlist`: each sentence produces
+            only its own list's tokens (opt-in; changes outputs; needs the cache).
 
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
@@ -139,6 +143,8 @@ def translate_nbest(
         raise ConfigError(f"nbest={nbest} needs beam search (beam_size > 1, no sampling)")
     if not 1 <= nbest <= decode.beam_size and sampling is None:
         raise ConfigError(f"nbest must be in [1, beam_size={decode.beam_size}], got {nbest}")
+    if shortlist is not None and not use_cache:
+        raise ConfigError("a shortlist needs the decoder cache (use_cache=True)")
     models = list(model) if isinstance(model, Sequence) else [model]
     check_ensemble(models)
     was_training = [m.training for m in models]
@@ -146,7 +152,7 @@ def translate_nbest(
         m.eval()  # no dropout while decoding; the caller's mode is restored below
     try:
         return _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache,
-                          min_len, long_inputs, warn, progress, stats, workers)
+                          min_len, long_inputs, warn, progress, stats, workers, shortlist)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)
@@ -175,7 +181,7 @@ def check_ensemble(models: list) -> None:
 
 
 def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, min_len,
-               long_inputs, warn, progress, stats, workers):
+               long_inputs, warn, progress, stats, workers, shortlist):
     from aiayn.decoding.workers import choose_workers, run_in_workers
 
     batch_size = decode.batch_size
@@ -206,7 +212,11 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
             src_lengths = encoded[0][1].sum(dim=1) - 1  # without EOS
             max_lens = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b,
                                           max_len)
-            if use_cache:  # the start token plus at most max_lens tokens
+            if shortlist is not None:
+                steps = _shortlist_steps(models, encoded, shortlist,
+                                         [sources[i] for i in chunk], ids[0] if compact
+                                         else None, int(max_lens.max()) + 1)
+            elif use_cache:  # the start token plus at most max_lens tokens
                 steps = [CachedStep.start(model, memory, src_mask, int(max_lens.max()) + 1,
                                           compact)
                          for model, (memory, src_mask) in zip(models, encoded)]
@@ -247,6 +257,21 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
         if bar is not None:
             bar.close()
     return results
+
+
+def _shortlist_steps(models, encoded, shortlist, sources, producible, capacity):
+    """One :class:`ShortlistStep` per model: the output layer over the batch's union of
+    lists (less the tokens the models cannot produce), each row held to its own list."""
+    ids, allowed = shortlist.candidates(sources, EOS_ID + 1, models[0].tgt_embed.weight.shape[0])
+    if producible is not None:  # a target-only output layer: its -inf columns stay out
+        keep = torch.isin(ids, producible.cpu())
+        ids, allowed = ids[keep], allowed[:, keep]
+    device = encoded[0][0].device
+    ids = ids.to(device)
+    banned = (~allowed).to(device)
+    return [ShortlistStep(CachedStep.start(model, memory, src_mask, capacity,
+                                           projection=(model.output_map(ids), ids)), banned)
+            for model, (memory, src_mask) in zip(models, encoded)]
 
 
 def _to_translation(vocab: Vocabulary, h: Hypothesis) -> Translation:

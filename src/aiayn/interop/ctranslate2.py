@@ -43,7 +43,7 @@ from aiayn.rundir import TOKENIZER  # the same file name as a run's
 
 
 def export_ctranslate2(model, config, vocab, directory: str | Path,
-                       quantization: str | None = None) -> Path:
+                       quantization: str | None = None, vmap: str | Path | None = None) -> Path:
     """Write a CTranslate2 model directory computing the same function as ``model``.
 
     CTranslate2's Marian loader starts the decoder from a zero vector and drops a trailing
@@ -53,6 +53,9 @@ def export_ctranslate2(model, config, vocab, directory: str | Path,
     Args:
         quantization: CTranslate2's weight type (None: as stored, fp32; "int8", "int8_float32",
             "bfloat16", …).
+        vmap: a vocabulary shortlist file (``aiayn shortlist``: CTranslate2's vmap format),
+            copied into the model for its ``use_vmap=True``; read here first, so that a file
+            of another vocabulary is refused.
 
     A checkpoint with SentencePiece vocabularies (one converted from Marian) goes through
     CTranslate2's Marian converter; any other through :func:`_export_spec`.
@@ -68,8 +71,13 @@ def export_ctranslate2(model, config, vocab, directory: str | Path,
                         "(pip install 'aiayn[interop]')") from None
     from aiayn.data.sentencepiece_vocab import SentencePieceVocabulary
 
+    if vmap is not None:
+        from aiayn.decoding.shortlist import Shortlist
+
+        Shortlist.load(vmap, vocab)  # its tokens are this vocabulary's (DataError otherwise)
+        vmap = str(vmap)
     if not isinstance(vocab, SentencePieceVocabulary):
-        return _export_spec(model, config, vocab, Path(directory), quantization)
+        return _export_spec(model, config, vocab, Path(directory), quantization, vmap)
     ids = getattr(vocab, "marian_ids", {}) or {}
     if ids and ids.get("pad") != len(vocab) - 2:  # -1 for <s>, -1 for the last index
         raise UserError(f"CTranslate2's Marian loader needs <pad> as the last token; this "
@@ -83,7 +91,8 @@ def export_ctranslate2(model, config, vocab, directory: str | Path,
         hf_dir = export_hf(model, config, vocab, Path(tmp) / "hf")
         converter = ctranslate2.converters.TransformersConverter(str(hf_dir))
         with torch.inference_mode(False):
-            converter.convert(str(directory), quantization=quantization, force=True)
+            converter.convert(str(directory), quantization=quantization, force=True,
+                              vmap=vmap)
         for name in ("source.spm", "target.spm"):
             shutil.copyfile(hf_dir / name, directory / name)
         if (hf_dir / "target_vocab.json").is_file():
@@ -105,7 +114,8 @@ def export_ctranslate2(model, config, vocab, directory: str | Path,
 _BANNED_LOGIT = -1.0e4
 
 
-def _export_spec(model, config, vocab, directory: Path, quantization: str | None) -> Path:
+def _export_spec(model, config, vocab, directory: Path, quantization: str | None,
+                 vmap: str | None = None) -> Path:
     """Write ``model`` (aiayn's own subword vocabulary) as a CTranslate2
     ``TransformerSpec``: post-norm (or pre-norm) layers, ReLU FFN, scaled embeddings, the
     model's positional table, decoder started from ``config.model.decoder_start_id``.
@@ -199,6 +209,8 @@ def _export_spec(model, config, vocab, directory: Path, quantization: str | None
                                              pieces[vocab.unk_id])
     c.decoder_start_token = pieces[cfg.decoder_start_id]
     c.add_source_eos = True  # the encoder was trained on pieces + EOS (encode_sources)
+    if vmap is not None:
+        spec.register_vocabulary_mapping(vmap)
     spec.validate()
     spec.optimize(quantization=quantization)
     directory.parent.mkdir(parents=True, exist_ok=True)

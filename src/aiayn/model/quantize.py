@@ -115,6 +115,21 @@ class Int8Linear(nn.Module):
         """The int8 copy of ``linear`` (weight (out, in), bias (out,) or None)."""
         return cls(linear.weight, linear.bias)
 
+    def rows(self, index: Tensor) -> Int8Linear:
+        """The map onto output rows ``index`` (long (k,)) only: the same int8 rows and scales,
+        so each output is this map's bit for bit (a vocabulary shortlist's output layer)."""
+        out = Int8Linear.__new__(Int8Linear)
+        nn.Module.__init__(out)
+        w8 = self.weight_int8[index]
+        out.out_features, out.in_features = w8.shape
+        if not self.weight_int8.is_contiguous():  # this map's layout (not re-measured)
+            w8 = w8.t().contiguous().t()
+        out.register_buffer("weight_int8", w8)
+        out.register_buffer("weight_scale", self.weight_scale[index])
+        out.register_buffer("bias", None if self.bias is None else self.bias[index])
+        out.relu = self.relu
+        return out
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()

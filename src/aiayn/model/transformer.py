@@ -514,6 +514,17 @@ class Transformer(nn.Module):
         bias[ids.to(bias.device)] = 0.0
         self.final_logits_bias.copy_(bias)
 
+    def output_map(self, token_ids: Tensor) -> nn.Module:
+        """The pre-softmax map onto ``token_ids`` (long (k,)) only, for a vocabulary
+        shortlist (:mod:`aiayn.decoding.shortlist`): (…, d_model) -> (…, k), column j giving
+        token ``token_ids[j]`` the logit :meth:`project` gives it (bit for bit on an int8
+        copy, whose rows keep their scales; within float rounding otherwise). The final
+        LayerNorm of a pre-norm stack is not in it (:meth:`decode_step` applies it)."""
+        if self.output_projection is not None:
+            return self.output_projection.rows(token_ids)
+        bias = None if self.final_logits_bias is None else self.final_logits_bias[token_ids]
+        return OutputRows(self.tgt_embed.weight[token_ids], bias)
+
     def output_token_ids(self, fixed: int) -> Tensor | None:
         """The tokens the output layer can produce, as long (V',) ids in increasing order, with
         ids 0 .. ``fixed`` - 1 always in (so that in a map onto these columns, column i is token
@@ -655,7 +666,8 @@ class Transformer(nn.Module):
         return DecoderCache.start(cross, src_mask, window=window, capacity=capacity,
                                   gather=gather)
 
-    def decode_step(self, tokens: Tensor, cache: DecoderCache, compact: bool = False) -> Tensor:
+    def decode_step(self, tokens: Tensor, cache: DecoderCache, compact: bool = False,
+                    projection: nn.Module | None = None) -> Tensor:
         """Logits for the position after ``tokens``, reusing and extending ``cache``.
 
         Args:
@@ -664,10 +676,13 @@ class Transformer(nn.Module):
                 extended in place by t_new positions.
             compact: where :attr:`step_projection` is set, score only the producible tokens:
                 column j is token ``step_token_ids[j]`` (see :meth:`output_token_ids`).
+            projection: score with this map instead (an :meth:`output_map`: a shortlist's
+                columns); it wins over ``compact``.
 
         Returns:
-            logits (B, t_new, V_tgt), or (B, t_new, V') with ``compact`` where
-            :attr:`step_projection` is set; ``[:, -1]`` scores the next token.
+            logits (B, t_new, V_tgt), (B, t_new, V') with ``compact`` where
+            :attr:`step_projection` is set, or (B, t_new, k) with ``projection``;
+            ``[:, -1]`` scores the next token.
         """
         cross_mask = cache.src_mask[:, None, None, :]
         x = self._embed(self.tgt_embed, tokens, offset=cache.length)
@@ -677,11 +692,26 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.decoder):
             x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i, cross_len=cross_len)
         cache.advance(tokens.shape[1])
-        if compact and self.step_projection is not None:
+        if projection is None and compact:
+            projection = self.step_projection
+        if projection is not None:
             if self.decoder_norm is not None:
                 x = self.decoder_norm(x)
-            return self.step_projection(x)
+            return projection(x)
         return self.project(x)
+
+
+class OutputRows(nn.Module):
+    """``y = x W^T + b`` over some rows of the tied output matrix (:meth:`Transformer.
+    output_map`): weight (k, d_model), bias (k,) or None."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 def count_parameters(model: nn.Module) -> int:
