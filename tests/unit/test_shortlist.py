@@ -86,6 +86,9 @@ def test_the_vmap_file_round_trips_and_bad_files_name_their_line(pairs, tmp_path
         bad.write_text(text, encoding="utf-8")
         with pytest.raises(DataError, match=says):
             Shortlist.load(bad, vocab)
+    (tmp_path / "empty.txt").write_text("\n", encoding="utf-8")
+    with pytest.raises(DataError, match="no entries"):
+        Shortlist.load(tmp_path / "empty.txt", vocab)
     with pytest.raises(DataError, match="cannot read"):
         Shortlist.load(tmp_path / "missing.txt", vocab)
 

@@ -157,8 +157,8 @@ class Shortlist:
         """Read a vmap file written by :meth:`save` (or for CTranslate2, without n-grams).
 
         Raises:
-            DataError: a missing file, or a line without a tab, with an n-gram key, or
-                naming a token the vocabulary lacks (naming the file and line).
+            DataError: a missing or empty file, or a line without a tab, with an n-gram key,
+                or naming a token the vocabulary lacks (naming the file and line).
         """
         path = Path(path)
         try:
@@ -192,6 +192,8 @@ class Shortlist:
                                 "vocabulary (a shortlist of another model?)")
             else:
                 rows.setdefault(src_index[key], []).extend(ids)
+        if not rows and not always:
+            raise DataError(f"{path}: no entries (an empty shortlist would allow only EOS)")
         V = len(src_index)
         lists = [sorted(set(rows.get(s, []))) for s in range(V)]
         offsets = torch.tensor([0] + np.cumsum([len(x) for x in lists]).tolist(),
