@@ -394,6 +394,18 @@ CASES = [
       "convert --to hf " + CK + " -o {ws}/c", "step-00000006"),
     C("convert", "--to ctranslate2 a missing checkpoint",
       "convert --to ctranslate2 {ws}/nosuch -o {ws}/c", "{ws}/nosuch"),
+    C("convert", "--vmap a file that is no vmap",
+      "convert --to ctranslate2 " + CK + " -o {ws}/c --vmap {ws}/folder/notes.txt",
+      "{ws}/folder/notes.txt:1"),
+    # --- shortlist ---------------------------------------------------------------------------
+    C("shortlist", "--best -1", "shortlist --checkpoint " + RUN + " -o {ws}/v.txt --best -1",
+      "-1"),
+    C("shortlist", "a missing checkpoint", "shortlist --checkpoint {ws}/nosuch -o {ws}/v.txt",
+      "{ws}/nosuch"),
+    C("translate", "--shortlist a missing file", TR + " --shortlist {ws}/nosuch.vmap",
+      "{ws}/nosuch.vmap"),
+    C("translate", "--shortlist a file that is no vmap",
+      TR + " --shortlist {ws}/folder/notes.txt", "{ws}/folder/notes.txt:1"),
     # --- experiment --------------------------------------------------------------------------
     C("experiment", "table3 with zero minutes per row", "experiment table3 --minutes-per-row 0 "
       "--out {ws}/t3", "0"),
@@ -531,7 +543,7 @@ def test_the_catalogue_covers_every_command_and_the_table_is_current(ws: Path) -
     assert len({c.id for c in CASES}) == len(CASES)
     assert {c.command for c in CASES} >= {"params", "vocab", "train", "average", "translate",
                                           "evaluate", "plot", "pipeline", "attention", "serve",
-                                          "convert", "experiment", "parse"}
+                                          "convert", "experiment", "parse", "shortlist"}
     for case in CASES:
         if case.id not in RESULTS:
             _run(case, ws)
