@@ -10,9 +10,10 @@ HELP = ("Build a vocabulary shortlist (CTranslate2's vmap format) from a run's t
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, nargs="+", metavar="PATH",
+    p.add_argument("--checkpoint", required=True, metavar="PATH",
                    help="the run directory or checkpoint whose vocabulary and training data "
-                        "to use (an ensemble's members share both: any one will do)")
+                        "to use (an ensemble's run directory, or any one member: they share "
+                        "both)")
     p.add_argument("-o", "--output", required=True, metavar="FILE",
                    help="the vmap file to write (one line per source token: "
                         "SOURCE<TAB>TARGET TARGET ...)")
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.iterations < 1:
         raise UserError(f"--iterations must be at least 1, got {args.iterations}")
     out = check_output_file(args.output)
-    loaded = Translator.from_pretrained(args.checkpoint[0], device="cpu", precision="fp32")
+    loaded = Translator.from_pretrained(args.checkpoint, device="cpu", precision="fp32")
     config, vocab = loaded.config, loaded.vocab
     log = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
     shortlist = build_shortlist(config, vocab, first=args.first, best=args.best,

@@ -202,7 +202,7 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     ids = None if step_fixed_ids is None else q.output_token_ids(step_fixed_ids)
     if ids is not None:
-        q.step_projection = Int8Linear(q.tgt_embed.weight[ids], q.final_logits_bias[ids])
+        q.step_projection = q.output_projection.rows(ids)  # its rows: one quantization
         q.step_token_ids = ids
     return q
 
