@@ -52,6 +52,7 @@ def test_health_info_page_and_unknown_paths(url, loaded):
     assert info["vocab_size"] == len(vocab)
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
     assert info["limits"]["max_lines"] == 4
+    assert info["shortlist"] is None
     page = httpx.get(url + "/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert 'id="translate"' in page.text
@@ -321,6 +322,32 @@ def test_429_when_the_queue_is_full(loaded):
     assert first["r"].status_code == 200 and second.status_code == 429
     assert "the queue is full: 3 lines are waiting and this request adds 2 (at most 4 may " \
         "wait)" in second.json()["detail"]
+
+
+def test_shortlist_is_reported_and_used(loaded, tmp_path):
+    """``aiayn serve --shortlist``: /info names the file and its size, and /translate answers
+    what the Translator with that shortlist gives (not the whole vocabulary's answer)."""
+    from fastapi.testclient import TestClient
+
+    from aiayn.decoding.shortlist import Shortlist
+
+    model, config, vocab = loaded
+    lines = ["Two dogs play in the snow.", "A man rides a bike."]
+    pairs = [(ids, ids[::-1]) for ids in vocab.encode_batch(lines * 3)]
+    path = Shortlist.build(pairs, len(vocab), first=4, best=2).save(tmp_path / "vmap.txt", vocab)
+    translator = Translator(model, vocab, config=config, shortlist=path)
+    direct = translator.generate(lines, beam_size=2)
+    with TestClient(create_app(translator)) as client:
+        info = client.get("/info").json()["shortlist"]
+        got = client.post("/translate", json={"lines": lines, "beam": 2}).json()
+    assert info == {"path": str(path), "always": int(translator.shortlist.always.numel()),
+                    "pairs": int(translator.shortlist.targets.numel())}
+    assert 0 < info["always"] <= 4
+    assert [t[0]["text"] for t in got["translations"]] == [t[0].text for t in direct]
+    ids, allowed = translator.shortlist.candidates(
+        vocab.encode_batch(translator.preprocess(lines)), 3, len(vocab))
+    for b, line in enumerate(direct):  # every output token is on its own sentence's list
+        assert set(line[0].tokens) <= set(ids[allowed[b]].tolist())
 
 
 def test_503_once_the_batcher_has_stopped(loaded):

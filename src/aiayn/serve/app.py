@@ -12,7 +12,9 @@ Endpoints:
   input looks tokenized already to a model that tokenizes its input itself
   (:func:`aiayn.data.text.tokenized_input_warning`). Such input is still translated.
 * ``GET /health``: ``{"status": "ok"}``. ``GET /info``: the model's config, parameter count,
-  vocabulary size, decoding defaults, the server's limits, and its ``load`` now
+  vocabulary size, decoding defaults, the vocabulary shortlist (``aiayn serve --shortlist``:
+  its file, the ``always`` tokens and the source-target ``pairs``; null without one), the
+  server's limits, and its ``load`` now
   (``requests_in_flight``, ``queued_lines`` waiting for a batch, ``batches_run`` since start).
 
 Every input is bounded (:class:`ServeLimits`). A body or request too large answers 413, bad
@@ -355,6 +357,10 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 "decode": {"beam": decode.beam_size, "alpha": decode.alpha,
                            "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b,
                            "beam_rules": decode.beam_rules},
+                "shortlist": None if translator.shortlist is None else
+                {"path": translator.shortlist_source,
+                 "always": int(translator.shortlist.always.numel()),
+                 "pairs": int(translator.shortlist.targets.numel())},
                 "limits": asdict(limits), "load": load(),
                 "workers": 1 if pool is None else pool.workers}
 
