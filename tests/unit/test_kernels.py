@@ -161,3 +161,67 @@ def test_a_gathering_cache_gives_the_same_numbers_and_moves_no_keys(beam_size):
     gathered, moved = outs
     assert [[h.tokens for h in s] for s in gathered] == [[h.tokens for h in s] for s in moved]
     assert [[h.score for h in s] for s in gathered] == [[h.score for h in s] for s in moved]
+
+
+def test_add_layer_norm_is_layer_norm_of_the_sum_and_row_by_row():
+    """LayerNorm(x + s) in one pass: within float32 rounding of nn.LayerNorm (float64 as the
+    reference), a constant row gives the bias, and a row gives the same bits alone or in a
+    batch."""
+    g = torch.Generator().manual_seed(0)
+    d = 256
+    x = torch.randn(37, d, generator=g) * 3 + 1
+    s = torch.randn(37, d, generator=g)
+    x[5] = 2.0  # x + s constant on row 5: variance 0
+    s[5] = 0.5
+    norm = torch.nn.LayerNorm(d, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(d, generator=g) + 0.5)
+        norm.bias.copy_(torch.randn(d, generator=g))
+    got = kernels.add_layer_norm(x, s, norm.weight, norm.bias, norm.eps)
+    want = torch.nn.functional.layer_norm((x + s).double(), (d,), norm.weight.double(),
+                                          norm.bias.double(), norm.eps)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(got, norm(x + s), rtol=0, atol=2e-5)
+    torch.testing.assert_close(got[5], norm.bias.detach(), rtol=0, atol=0)
+    assert torch.equal(kernels.add_layer_norm(x[3:4], s[3:4], norm.weight, norm.bias, 1e-6),
+                       got[3:4])
+    three_d = kernels.add_layer_norm(x.view(1, 37, d), s.view(1, 37, d), norm.weight, norm.bias,
+                                     1e-6)
+    assert three_d.shape == (1, 37, d) and torch.equal(three_d[0], got)
+
+
+def test_only_the_int8_copy_fuses_the_norm(monkeypatch):
+    """quantize_int8 turns the fused norm on in its copy (the float model keeps nn.LayerNorm,
+    so the fp32 reference is unchanged) and its decoder layers then call the kernel."""
+    from aiayn.config import ModelConfig
+    from aiayn.model import Transformer
+    from aiayn.model.quantize import quantize_int8
+    from aiayn.model.transformer import _Residual
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(N=1, d_model=32, d_ff=64, h=4, d_k=8, d_v=8,
+                                    vocab_size=50)).eval()
+    q = quantize_int8(model)
+    assert not any(m.fused_norm for m in model.modules() if isinstance(m, _Residual))
+    assert all(m.fused_norm for m in q.modules() if isinstance(m, _Residual))
+    assert not any(m.fused_norm for m in quantize_int8(model, fuse_norm=False).modules()
+                   if isinstance(m, _Residual))
+    calls = []
+    kernel = kernels.add_layer_norm
+    monkeypatch.setattr(kernels, "add_layer_norm", lambda *a: calls.append(1) or kernel(*a))
+    block = q.encoder[0].res_ffn
+    x, s = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    with torch.no_grad():
+        fused = block.outer(x, s)
+        assert calls == [1]
+        model.encoder[0].res_ffn.outer(x, s)  # the float model: nn.LayerNorm
+        assert calls == [1]
+        kernels.ENABLED.discard("norm")
+        try:
+            plain = block.outer(x, s)
+        finally:
+            kernels.ENABLED.add("norm")
+    assert calls == [1]
+    torch.testing.assert_close(fused, plain, rtol=0, atol=1e-5)
