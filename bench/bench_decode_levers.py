@@ -17,8 +17,7 @@ shared with other work, wall time measures the others as much as this; CPU time 
   per sentence); ``no reorder`` (beams reorder a table of rows, not the cached keys; it needs
   the attention kernel, so it is measured beside it); ``weight layout`` (each int8 weight
   stored as ``aiayn.model.quantize.weight_columns_first`` finds faster here, not always as
-  (out, in) rows); ``fused norm`` (each post-norm residual's addition and LayerNorm as one
-  kernel, :func:`aiayn.model.kernels.add_layer_norm`; float32, not bit for bit);
+  (out, in) rows);
 - ``all``: every lever, as decoding runs by default.
 
 It prints sentences per CPU second, the ratio to ``none``, the decoder row-steps and the share of sentences
@@ -109,8 +108,6 @@ def main() -> int:
     def decode(levers: set[str]):
         kernels.ENABLED.clear()
         kernels.ENABLED.update({"attention", "int8"} & levers)
-        if "fused norm" in levers:
-            kernels.ENABLED.add("norm")
         q = copies["fused qkv" in levers, "weight layout" in levers]
         stats, out = DecodeStats(), []
         t = time.process_time()
@@ -131,13 +128,11 @@ def main() -> int:
                 out.extend(h.tokens for h in hyps)
         return time.process_time() - t, stats.row_steps, out
 
-    all_levers = {"attention", "int8", "fused qkv", "step 0", "no reorder", "weight layout",
-                  "fused norm"}
+    all_levers = {"attention", "int8", "fused qkv", "step 0", "no reorder", "weight layout"}
     configs = {"none": set(), "attention": {"attention"},
                "attention + no reorder": {"attention", "no reorder"},
                "int8 passes": {"int8"}, "fused qkv": {"fused qkv"},
-               "weight layout": {"weight layout"}, "fused norm": {"fused norm"},
-               "all but fused norm": all_levers - {"fused norm"}, "all": all_levers}
+               "weight layout": {"weight layout"}, "all": all_levers}
     if args.beam > 1:
         configs["step 0"] = {"step 0"}
     decode(all_levers)  # warm-up
@@ -147,7 +142,7 @@ def main() -> int:
             seconds, row_steps, out = decode(levers)
             if name not in best or seconds < best[name][0]:
                 best[name] = (seconds, row_steps, out)
-    kernels.ENABLED.update({"attention", "int8", "norm"} if kernels.AVAILABLE else set())
+    kernels.ENABLED.update({"attention", "int8"} if kernels.AVAILABLE else set())
     print(f"preset={args.preset} beam={args.beam} sentences={len(lines)} "
           f"output_tokens={args.length + 1} batch={args.batch_size} threads={args.threads} "
           f"cpu={platform.processor() or platform.machine()} "

@@ -150,34 +150,9 @@ def _rescale(acc, x_scale, w_scale, bias, has_bias, relu, out):  # pragma: no co
                 yr[o] = max(yr[o], zero)
 
 
-@_njit(fastmath=True)
-def _add_layer_norm(x, s, w, b, eps, out):  # pragma: no cover - compiled
-    # out[r] = LayerNorm(x[r] + s[r]) with weight w and bias b (population variance, as
-    # nn.LayerNorm), in float32; each row's sums run in an order fixed by d alone
-    M, D = x.shape
-    z = np.empty(D, np.float32)
-    inv_d = np.float32(1.0) / np.float32(D)
-    for r in range(M):
-        xr, sr, yr = x[r], s[r], out[r]
-        total = np.float32(0.0)
-        for c in range(D):
-            v = xr[c] + sr[c]
-            z[c] = v
-            total += v
-        mean = total * inv_d
-        sq = np.float32(0.0)
-        for c in range(D):
-            d = z[c] - mean
-            sq += d * d
-        rstd = np.float32(1.0) / np.sqrt(sq * inv_d + eps)
-        for c in range(D):
-            yr[c] = (z[c] - mean) * rstd * w[c] + b[c]
-
-
-#: The kernel families in use: "attention" (:func:`attend`), "int8" (:func:`quantize_rows`,
-#: :func:`rescale`) and "norm" (:func:`add_layer_norm`, in int8 copies only). Benchmarks
-#: remove one to measure what it gains.
-ENABLED = {"attention", "int8", "norm"} if AVAILABLE else set()
+#: The kernel families in use: "attention" (:func:`attend`) and "int8" (:func:`quantize_rows`,
+#: :func:`rescale`). Benchmarks remove one to measure what it gains.
+ENABLED = {"attention", "int8"} if AVAILABLE else set()
 
 
 def usable(*tensors: Tensor, kind: str = "attention") -> bool:
@@ -256,25 +231,6 @@ def rescale(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Tensor | None,
     return out
 
 
-def add_layer_norm(x: Tensor, s: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    """``LayerNorm(x + s)`` (§3.1's post-norm residual, Ba et al. 2016) in one pass over float32
-    ``x`` and ``s`` (..., d), with ``weight`` and ``bias`` (d,): float32 (..., d).
-
-    Not bit for bit ``nn.LayerNorm``: its sums are float32 in another order (the difference
-    is a few units in the last place, ``tests/unit/test_kernels.py``), so only the int8 copy
-    uses it (:func:`aiayn.model.quantize.quantize_int8`), whose fidelity to fp32 every run
-    checks on val. Each row is normalised alone, so the result does not depend on the batch.
-    """
-    shape = x.shape
-    D = shape[-1]
-    xs = x.reshape(-1, D).contiguous()
-    ss = s.reshape(-1, D).contiguous()
-    out = torch.empty(xs.shape, dtype=torch.float32)
-    _add_layer_norm(xs.numpy(), ss.numpy(), weight.detach().contiguous().numpy(),
-                    bias.detach().contiguous().numpy(), np.float32(eps), out.numpy())
-    return out.view(shape)
-
-
 def prefix_lengths(mask: Tensor) -> Tensor | None:
     """The lengths (B,) of a bool (B, S) mask whose True entries are a prefix of each row
     (right padding, as :func:`aiayn.data.batching.pad_sources` makes); None otherwise."""
@@ -294,9 +250,8 @@ def warm_up() -> None:
         for bias in (torch.ones(3), None):
             for relu in (False, True):
                 rescale(torch.ones(2, 3, dtype=torch.int32), s, torch.ones(3), bias, relu)
-        add_layer_norm(torch.ones(2, 4), torch.ones(2, 4), torch.ones(4), torch.zeros(4), 1e-6)
 
 
-__all__ = ["AVAILABLE", "ENABLED", "add_layer_norm", "attend", "prefix_lengths", "quantize_rows", "rescale", "usable",
+__all__ = ["AVAILABLE", "ENABLED", "attend", "prefix_lengths", "quantize_rows", "rescale", "usable",
            "warm_up"]
 

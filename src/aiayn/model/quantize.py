@@ -22,9 +22,7 @@ float32.
 Around each product, the int32 sums are rescaled (and the bias added) in one pass
 (:func:`aiayn.model.kernels.rescale`), and each self-attention's W^Q, W^K and W^V are one
 map (``MultiHeadAttention.W_qkv``), so their shared input is quantized once: both give the
-same numbers as the separate maps and passes, bit for bit. Each post-norm residual's addition
-and LayerNorm run as one kernel (:func:`aiayn.model.kernels.add_layer_norm`), float32 but not
-bit for bit ``nn.LayerNorm``.
+same numbers as the separate maps and passes, bit for bit.
 
 The model itself is not changed; the copy shares nothing with it that training could move
 (its float weights are dropped, its int8 ones are buffers).
@@ -40,12 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.model import kernels
-from aiayn.model.transformer import (
-    DecoderLayer,
-    EncoderLayer,
-    PositionwiseFeedForward,
-    _Residual,
-)
+from aiayn.model.transformer import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 
 
 def _quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
@@ -180,7 +173,7 @@ def _replace_linears(module: nn.Module) -> None:
             _replace_linears(child)
 
 
-def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True, fuse_norm: bool = True,
+def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
                   step_fixed_ids: int | None = None) -> nn.Module:
     """An int8 inference copy of a :class:`~aiayn.model.Transformer` (see the module
     docstring), in eval mode, on the model's device. Decode with it as with the model.
@@ -190,9 +183,7 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True, fuse_norm: bool = 
     (Marian) as its bias: a ``-inf`` placeholder bias keeps its zero probability. ``model``
     itself, and its training mode, are left as they are. With ``fuse_qkv`` (the default)
     each self-attention's W^Q, W^K and W^V become one map (same outputs, one quantization of
-    their shared input). With ``fuse_norm`` (the default) each post-norm residual block adds
-    and normalises in one kernel (:func:`aiayn.model.kernels.add_layer_norm`: float32, not
-    bit for bit ``nn.LayerNorm``). With ``step_fixed_ids`` (the searches' special ids: PAD, BOS and EOS
+    their shared input). With ``step_fixed_ids`` (the searches' special ids: PAD, BOS and EOS
     are ids 0-2), a model whose output layer can produce only some tokens also gets decoding's
     own int8 map onto those (``step_projection``, ``step_token_ids``:
     :meth:`~aiayn.model.Transformer.output_token_ids`): the same logits for them, less work.
@@ -208,9 +199,6 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True, fuse_norm: bool = 
         if isinstance(ffn, PositionwiseFeedForward) and ffn.activation is F.relu:
             ffn.W_1.relu = True
             ffn.activation = _identity
-    for block in q.modules():  # post-norm residuals add and normalise in one kernel
-        if isinstance(block, _Residual):
-            block.fused_norm = fuse_norm
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     ids = None if step_fixed_ids is None else q.output_token_ids(step_fixed_ids)
     if ids is not None:

@@ -290,10 +290,6 @@ class _Residual(nn.Module):
 
     post-norm (the paper): LayerNorm(x + Dropout(Sublayer(x)));
     pre-norm (option): x + Dropout(Sublayer(LayerNorm(x))).
-
-    ``fused_norm`` (set by :func:`aiayn.model.quantize.quantize_int8` on its inference copy
-    only): a post-norm block in eval mode adds and normalises in one kernel
-    (:func:`aiayn.model.kernels.add_layer_norm`) where the kernels run.
     """
 
     def __init__(self, d_model: int, P_drop: float, pre_norm: bool, eps: float) -> None:
@@ -301,17 +297,12 @@ class _Residual(nn.Module):
         self.norm = nn.LayerNorm(d_model, eps=eps)
         self.dropout = Dropout(P_drop)
         self.pre_norm = pre_norm
-        self.fused_norm = False
 
     def inner(self, x: Tensor) -> Tensor:
         """What the sub-layer sees: x itself (post-norm) or LayerNorm(x) (pre-norm)."""
         return self.norm(x) if self.pre_norm else x
 
     def outer(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
-        if (self.fused_norm and not self.pre_norm and not self.training
-                and kernels.usable(x, sublayer_out, kind="norm")):
-            return kernels.add_layer_norm(x, sublayer_out, self.norm.weight, self.norm.bias,
-                                          self.norm.eps)
         y = x + self.dropout(sublayer_out)
         return y if self.pre_norm else self.norm(y)
 
