@@ -18,7 +18,8 @@ beam size, in batches of ``--batch-size`` sentences:
   engine as a user would run it at that setting.
 
 Rows: aiayn fp32 (the reference), aiayn's default (the precision its fidelity check recorded;
-int8 where val BLEU stayed within 0.2) in one process of T threads, the same over every
+int8 where val BLEU stayed within 0.2; ``--precision`` for one member's folder of an ensemble
+run, whose record is the ensemble's) in one process of T threads, the same over every
 output column (``all columns``: without the compact output map of a target-only output layer,
 to measure that lever alone) and, at T >= 2, in T forked one-thread processes (``aiayn
 translate --workers T``); CTranslate2 int8 at ``intra_threads=T``
@@ -98,6 +99,9 @@ def main() -> int:
     p.add_argument("--shortlist", default=None, metavar="VMAP",
                    help="a vocabulary shortlist of the run (`aiayn shortlist`): adds aiayn's "
                         "default with it and CTranslate2 int8 with it as its vmap")
+    p.add_argument("--precision", default=None, choices=["auto", "fp32", "bf16", "int8"],
+                   help="aiayn's default row at this precision instead of the run's recorded "
+                        "one (a member of an ensemble run records none of its own)")
     p.add_argument("--json-out", default=None, help="write all results here as JSON")
     p.add_argument("--work-dir", default=None, help="keep the exported model here")
     p.add_argument("--ct2-worker", action="store_true", help=argparse.SUPPRESS)
@@ -130,7 +134,7 @@ def main() -> int:
     if len(paths) > 1:
         p.error(f"{args.run} is an ensemble of {len(paths)} models; CTranslate2 has none: "
                 f"pass one member's folder ({paths[0]})")
-    translator = Translator.from_pretrained(args.run)
+    translator = Translator.from_pretrained(args.run, precision=args.precision)
     config, vocab = translator.config, translator.vocab
     run_alpha = translator.decode_config.alpha
     alphas = [run_alpha if a == "run" else float(a) for a in args.alphas]
