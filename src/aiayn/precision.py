@@ -15,8 +15,9 @@
   run those products 4-5x faster than fp32, CPUs without it (AVX2 only: Zen 3, most laptops)
   emulate them 5-45x slower (45x for a large product on a real Zen 3, 10x for ``nn.Linear`` under
   autocast there), so the choice is never close and never depends on a CPU's name. For
-  decoding, :func:`probe_int8` times the same shapes in int8 too, and ``auto`` takes the
-  fastest of fp32, bf16 and int8.
+  decoding, :func:`probe_int8` times the same shapes in int8 too, and ``auto`` takes int8
+  where it beats fp32 by :data:`BF16_MIN_SPEEDUP` (batch-invariant, with the decoding kernels
+  around it), else bf16 where that does, else fp32.
 
 Mixed precision is not in the paper (§5.2 trained in float32 on P100 GPUs).
 """
@@ -192,9 +193,10 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
 
     ``auto`` gives ``bf16-weights`` for training where bf16 is faster than fp32 by at least
     :data:`BF16_MIN_SPEEDUP` on ``model``'s product shapes, else ``fp32``. For decoding on a
-    CPU it also times those shapes in int8 (:func:`probe_int8`) and takes the fastest of fp32,
-    bf16 and int8, a reduced precision only where it beats fp32 by that factor (int8 on both
-    CPU classes measured so far: VNNI on the bf16 class, AVX2 on the other). On CUDA ``auto``
+    CPU it also times those shapes in int8 (:func:`probe_int8`) and takes int8 where it beats
+    fp32 by that factor (on every CPU measured so far: VNNI on the bf16 class, AVX2 on the
+    other), else bf16 where that does, else fp32: int8 is batch-invariant and bf16 is not, and
+    bf16 products timed alone overrate bf16 decoding (see the comment in the code). On CUDA ``auto``
     is ``bf16`` autocast where the device supports bf16. An explicit precision is kept, with
     a warning in ``reason`` when the probe finds bf16 slower on this CPU.
 
@@ -228,9 +230,12 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
         return Precision(requested, chosen, rates, round(fp32, 1), round(bf16, 1))
     if requested == "auto":
         int8 = probe_int8(model, rows)
-        rate = {"fp32": fp32, "bf16": bf16 if faster else 0.0,
-                "int8": int8 if int8 >= BF16_MIN_SPEEDUP * fp32 else 0.0}
-        chosen = max(rate, key=rate.get)
+        # int8 first wherever it beats fp32: its products are exact and row by row, so it is
+        # batch-invariant, and the decoding kernels run around it; bf16 autocast is neither,
+        # and the product probe overrates it (on an Intel Xeon with AMX it timed bf16 products
+        # 2.6x int8's, yet int8 decoded 1.9x as fast as bf16: docs/hardware.md)
+        chosen = ("int8" if int8 >= BF16_MIN_SPEEDUP * fp32 else "bf16" if faster
+                  else "fp32")
         rates = (f"int8 {int8:.1f} GOP/s, bf16 {bf16:.1f} and fp32 {fp32:.1f} GFLOP/s on the "
                  "model's products")
         return Precision(requested, chosen, rates, round(fp32, 1), round(bf16, 1),

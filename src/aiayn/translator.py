@@ -66,8 +66,8 @@ class Translator:
             ``ModelConfig`` with default settings elsewhere (raw text, §6.1's search).
         decode: the decode defaults (default: ``config.decode``).
         device: a torch device name (default: where the first model is).
-        precision: "fp32", "bf16", "int8" or "auto" (the fastest of fp32, bf16 and int8 that
-            a short probe finds on this machine, :func:`aiayn.precision.choose_precision`);
+        precision: "fp32", "bf16", "int8" or "auto" (int8 where a short probe finds it faster
+            than fp32 on this machine, :func:`aiayn.precision.choose_precision`);
             default fp32 (:func:`aiayn.precision.default_decoding_precision`).
         source: where the models came from (paths), for messages and ``aiayn serve``'s /info.
         warn: receives warnings about the input (default: the ``aiayn`` logger).

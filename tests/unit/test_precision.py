@@ -29,10 +29,14 @@ def test_auto_takes_bf16_only_where_the_probe_finds_it_clearly_faster(monkeypatc
         else f"bf16 {rates[1]:.1f} against fp32 {rates[0]:.1f}" in got.describe()
 
 
-@pytest.mark.parametrize("int8, chosen", [(900.0, "int8"), (300.0, "bf16"), (110.0, "fp32")])
-def test_decoding_auto_takes_the_fastest_of_fp32_bf16_and_int8(monkeypatch, int8, chosen):
-    monkeypatch.setattr(precision, "probe_cpu", lambda model, rows: (100.0, 400.0 if chosen
-                                                                     != "fp32" else 50.0))
+@pytest.mark.parametrize("bf16, int8, chosen", [
+    (400.0, 900.0, "int8"),
+    (400.0, 300.0, "int8"),  # bf16 products faster, but int8 beats fp32: int8 first
+    (400.0, 110.0, "bf16"),  # int8 not clearly faster than fp32: bf16
+    (50.0, 300.0, "int8"), (50.0, 110.0, "fp32"), (110.0, 110.0, "fp32")])
+def test_decoding_auto_takes_int8_where_it_beats_fp32_then_bf16(monkeypatch, bf16, int8,
+                                                                chosen):
+    monkeypatch.setattr(precision, "probe_cpu", lambda model, rows: (100.0, bf16))
     monkeypatch.setattr(precision, "probe_int8", lambda model, rows: int8)
     got = choose_precision("auto", "cpu", MODEL, training=False)
     assert got.chosen == chosen and got.int8_gops == int8

@@ -48,8 +48,9 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--precision", choices=DECODE_PRECISIONS, default=None,
                    help="fp32 (the reference); bf16 (autocast); int8 (int8 weights and "
-                        "per-row int8 activations, CPU); auto: the fastest of these that a "
-                        "short probe finds on this machine (default: what a finished run "
+                        "per-row int8 activations, CPU); auto: int8 where a short probe finds "
+                        "it faster than fp32 on this machine, else bf16 where that is "
+                        "(default: what a finished run "
                         "recorded, int8 where it kept val BLEU within 0.2 of fp32; else fp32)")
     p.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                    help="the same as --precision bf16")
