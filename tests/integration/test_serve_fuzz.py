@@ -44,7 +44,10 @@ from serving import artifacts_dir, serve_in_thread, tiny_checkpoint  # noqa: E40
 
 MAX_EXAMPLES = 30  # fuzzed requests per operation (the coverage phase adds its own few)
 REQUEST_TIMEOUT_S = 10.0  # no answer by then: the server hangs
-MAX_RESPONSE_TIME_S = 5.0  # an answer slower than this fails too (a valid request takes ms)
+# an answer slower than this fails too: a hang detector, not a speed goal (those live in
+# bench/). A valid request takes milliseconds alone, but an /attention answer over a long
+# random-model output took 6.0 s once on a 2-core machine busy with other work
+MAX_RESPONSE_TIME_S = 9.0
 DOCUMENTED = {200, 413, 422, 429, 503}
 WRONG_PATH_OR_METHOD = {404, 405}
 PREPROCESS = ("none", "lc-norm-tok")

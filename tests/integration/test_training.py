@@ -676,6 +676,21 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _logged_step(metrics: Path) -> int:
+    """The highest training step ``metrics.jsonl`` has logged so far (-1: none yet); a line
+    still being written is skipped."""
+    step = -1
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("kind") == "train":
+                step = max(step, int(record["step"]))
+    return step
+
+
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
     cfg = task_config(tmp_path, max_steps=100000, checkpoint_every_steps=0)
@@ -686,9 +701,8 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
                              str(config_file), "--run-dir", str(run_dir), "--no-progress"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if (run_dir / "metrics.jsonl").is_file() and \
-                len((run_dir / "metrics.jsonl").read_text().splitlines()) >= 5:
+    while time.monotonic() < deadline:  # until a logged update of step 5 or later
+        if _logged_step(run_dir / "metrics.jsonl") >= 5:
             break
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
