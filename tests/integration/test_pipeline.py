@@ -102,7 +102,8 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
 
 ENSEMBLE = ["pipeline", "--preset", "tiny", "--no-progress", "--json", "--ensemble", "2",
             "--set", "data.train_limit=2000", "--set", "decode.batch_size=250",
-            "--set", "train.checkpoint_every_steps=30", "--set", "train.eval_every_steps=60"]
+            "--set", "train.checkpoint_every_steps=30", "--set", "train.eval_every_steps=60",
+            "--set", "decode.max_len_b=10"]  # untrained models decode to the length bound
 
 
 def test_pipeline_trains_and_decodes_an_ensemble(data_dir: Path, tmp_path: Path,
