@@ -196,9 +196,9 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
     CPU it also times those shapes in int8 (:func:`probe_int8`) and takes int8 where it beats
     fp32 by that factor (on every CPU measured so far: VNNI on the bf16 class, AVX2 on the
     other), else bf16 where that does, else fp32: int8 is batch-invariant and bf16 is not, and
-    bf16 products timed alone overrate bf16 decoding (see the comment in the code). On CUDA ``auto``
-    is ``bf16`` autocast where the device supports bf16. An explicit precision is kept, with
-    a warning in ``reason`` when the probe finds bf16 slower on this CPU.
+    bf16 products timed alone overrate bf16 decoding (docs/hardware.md). On CUDA ``auto`` is
+    ``bf16`` autocast where the device supports bf16. An explicit precision is kept, with a
+    warning in ``reason`` when the probe finds bf16 slower on this CPU.
 
     Raises:
         ValueError: an unknown precision, ``bf16-weights`` for decoding, or ``int8`` on CUDA
@@ -232,8 +232,8 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
         int8 = probe_int8(model, rows)
         # int8 first wherever it beats fp32: its products are exact and row by row, so it is
         # batch-invariant, and the decoding kernels run around it; bf16 autocast is neither,
-        # and the product probe overrates it (on an Intel Xeon with AMX it timed bf16 products
-        # 2.6x int8's, yet int8 decoded 1.9x as fast as bf16: docs/hardware.md)
+        # and the product probe overrates it (docs/hardware.md, "Precision: chosen by the
+        # machine", has the measurement)
         chosen = ("int8" if int8 >= BF16_MIN_SPEEDUP * fp32 else "bf16" if faster
                   else "fp32")
         rates = (f"int8 {int8:.1f} GOP/s, bf16 {bf16:.1f} and fp32 {fp32:.1f} GFLOP/s on the "

@@ -81,7 +81,6 @@ class Translator:
             It applies to the searches (:meth:`generate`, and :meth:`attention` over the
             model's own output); :meth:`score` and a forced target use the whole vocabulary,
             since a given target may hold tokens off the list.
-            :attr:`shortlist_source` keeps the file's path (``aiayn serve``'s /info).
 
     Raises:
         ValueError: an empty ensemble; members with different output vocabularies or start
@@ -118,11 +117,9 @@ class Translator:
 
         choose_workers(workers, self.device, 1)  # a bad value is refused here, not later
         self.workers = workers
-        self.shortlist_source: str | None = None
         if shortlist is not None and not hasattr(shortlist, "candidates"):
             from aiayn.decoding.shortlist import Shortlist
 
-            self.shortlist_source = str(shortlist)
             shortlist = Shortlist.load(shortlist, vocab)
         self.shortlist = shortlist
 

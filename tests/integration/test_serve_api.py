@@ -326,7 +326,7 @@ def test_429_when_the_queue_is_full(loaded):
 
 def test_shortlist_is_reported_and_used(loaded, tmp_path):
     """``aiayn serve --shortlist``: /info names the file and its size, and /translate answers
-    what the Translator with that shortlist gives (not the whole vocabulary's answer)."""
+    what the Translator with that shortlist gives, every token on its sentence's list."""
     from fastapi.testclient import TestClient
 
     from aiayn.decoding.shortlist import Shortlist

@@ -25,7 +25,7 @@ refused here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -54,11 +54,13 @@ class Shortlist:
         offsets: long (V_src + 1,) CSR row starts: source id s lists
             ``targets[offsets[s]:offsets[s + 1]]``.
         targets: long (nnz,) target ids.
+        source: the vmap file it was read from (:meth:`load`), None when built in memory.
     """
 
     always: Tensor
     offsets: Tensor
     targets: Tensor
+    source: str | None = field(default=None, compare=False)
 
     # --- building -------------------------------------------------------------------------
     @classmethod
@@ -199,7 +201,8 @@ class Shortlist:
         offsets = torch.tensor([0] + np.cumsum([len(x) for x in lists]).tolist(),
                                dtype=torch.long)
         targets = torch.tensor([i for x in lists for i in x], dtype=torch.long)
-        return cls(torch.tensor(sorted(set(always)), dtype=torch.long), offsets, targets)
+        return cls(torch.tensor(sorted(set(always)), dtype=torch.long), offsets, targets,
+                   source=str(path))
 
     # --- use ------------------------------------------------------------------------------
     def candidates(self, sources: Sequence[Sequence[int]], fixed: int,

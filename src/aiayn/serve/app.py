@@ -358,7 +358,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                            "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b,
                            "beam_rules": decode.beam_rules},
                 "shortlist": None if translator.shortlist is None else
-                {"path": translator.shortlist_source,
+                {"path": translator.shortlist.source,
                  "always": int(translator.shortlist.always.numel()),
                  "pairs": int(translator.shortlist.targets.numel())},
                 "limits": asdict(limits), "load": load(),
