@@ -17,7 +17,9 @@ shared with other work, wall time measures the others as much as this; CPU time 
   per sentence); ``no reorder`` (beams reorder a table of rows, not the cached keys; it needs
   the attention kernel, so it is measured beside it); ``weight layout`` (each int8 weight
   stored as ``aiayn.model.quantize.weight_columns_first`` finds faster here, not always as
-  (out, in) rows);
+  (out, in) rows); ``packed weights`` (each map whose shape
+  ``aiayn.model.quantize.weight_packed_faster`` finds faster over a prepacked weight runs in
+  oneDNN's int8 linear, not ``torch._int_mm``);
 - ``all``: every lever, as decoding runs by default.
 
 It prints sentences per CPU second, the ratio to ``none``, the decoder row-steps and the share of sentences
@@ -91,14 +93,19 @@ def main() -> int:
         model.tgt_embed.weight.mul_(4.0)
     from aiayn.model import quantize
 
-    probe = quantize.weight_columns_first
+    probes = quantize.weight_columns_first, quantize.weight_packed_faster
     copies = {}
     for layout in (True, False):
-        if not layout:  # every weight as round 3 stored it, (out, in) rows
-            quantize.weight_columns_first = lambda *shape: False
-        for fuse in (True, False):
-            copies[fuse, layout] = quantize_int8(model, fuse_qkv=fuse)
-        quantize.weight_columns_first = probe
+        for packed in (True, False):
+            if not layout:  # every weight as round 3 stored it, (out, in) rows
+                quantize.weight_columns_first = lambda *shape: False
+            if not packed:  # every product in torch._int_mm
+                quantize.weight_packed_faster = lambda *shape: False
+            for fuse in (True, False):
+                copies[fuse, layout, packed] = quantize_int8(model, fuse_qkv=fuse)
+            quantize.weight_columns_first, quantize.weight_packed_faster = probes
+    packed_maps = sum(m.packed for m in copies[True, True, True].modules()
+                      if isinstance(m, quantize.Int8Linear))
     sources = encode_sources(vocab, lines, cfg.max_len)
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     batches = [pad_sources([sources[i] for i in order[s : s + args.batch_size]])
@@ -108,7 +115,7 @@ def main() -> int:
     def decode(levers: set[str]):
         kernels.ENABLED.clear()
         kernels.ENABLED.update({"attention", "int8"} & levers)
-        q = copies["fused qkv" in levers, "weight layout" in levers]
+        q = copies["fused qkv" in levers, "weight layout" in levers, "packed weights" in levers]
         stats, out = DecodeStats(), []
         t = time.process_time()
         with torch.inference_mode():
@@ -128,11 +135,13 @@ def main() -> int:
                 out.extend(h.tokens for h in hyps)
         return time.process_time() - t, stats.row_steps, out
 
-    all_levers = {"attention", "int8", "fused qkv", "step 0", "no reorder", "weight layout"}
+    all_levers = {"attention", "int8", "fused qkv", "step 0", "no reorder", "weight layout",
+                  "packed weights"}
     configs = {"none": set(), "attention": {"attention"},
                "attention + no reorder": {"attention", "no reorder"},
                "int8 passes": {"int8"}, "fused qkv": {"fused qkv"},
-               "weight layout": {"weight layout"}, "all": all_levers}
+               "weight layout": {"weight layout"}, "packed weights": {"packed weights"},
+               "all but packed weights": all_levers - {"packed weights"}, "all": all_levers}
     if args.beam > 1:
         configs["step 0"] = {"step 0"}
     decode(all_levers)  # warm-up
@@ -147,7 +156,8 @@ def main() -> int:
           f"output_tokens={args.length + 1} batch={args.batch_size} threads={args.threads} "
           f"cpu={platform.processor() or platform.machine()} "
           f"capability={torch.backends.cpu.get_cpu_capability()} "
-          f"bf16_class={torch.ops.mkldnn._is_mkldnn_bf16_supported()}")
+          f"bf16_class={torch.ops.mkldnn._is_mkldnn_bf16_supported()} "
+          f"packed_maps={packed_maps}")
     base = best["none"][0]
     ref = best["all"][2]
     for name, (seconds, row_steps, out) in best.items():

@@ -144,3 +144,36 @@ def test_the_int8_products_are_exact_on_this_cpu():
     assert int(x8.abs().max()) == 127
     assert torch.equal(torch._int_mm(x8, q.weight_int8.t()),
                        x8.int() @ q.weight_int8.int().t())
+
+
+def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit():
+    """Where this machine's oneDNN gives exact sums over a prepacked int8 weight
+    (weight_packed_faster checks that before it times anything), the packed product's outputs
+    equal ``torch._int_mm``'s bit for bit, with bias and relu, at 1, 17 and 300 rows, and in
+    a deep copy (which packs its own weight: the packed one does not copy)."""
+    import copy
+
+    from aiayn.model.quantize import _pack, _packed_product, _quantize_rows
+
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(torch.nn.Linear(512, 200))
+    x8, _ = _quantize_rows(torch.randn(8, 512) * 5)
+    try:
+        exact = torch.equal(_packed_product(x8, *_pack(q.weight_int8)),
+                            torch._int_mm(x8, q.weight_int8.t()).float())
+    except (AttributeError, RuntimeError):  # torch without oneDNN's int8 linear
+        exact = False
+    if not exact:
+        pytest.skip("oneDNN's packed int8 product is missing or not exact on this CPU")
+    for relu in (False, True):
+        q.relu = relu
+        with torch.inference_mode():
+            q._set_packed(False)
+            want = [q(torch.randn(m, 512, generator=torch.Generator().manual_seed(m)))
+                    for m in (1, 17, 300)]
+            q._set_packed(True)
+            copied = copy.deepcopy(q)
+            assert copied.packed and copied._packed is None
+            for m, w in zip((1, 17, 300), want):
+                x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+                assert torch.equal(q(x), w) and torch.equal(copied(x), w)

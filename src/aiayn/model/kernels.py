@@ -220,7 +220,8 @@ def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
 
 def rescale(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Tensor | None,
             relu: bool = False) -> Tensor:
-    """float32 (M, O) ``acc * x_scale * w_scale + bias`` from int32 ``acc`` (M, O), in one pass
+    """float32 (M, O) ``acc * x_scale * w_scale + bias`` from int32 ``acc`` (M, O) (or float32
+    holding the same exact sums: a packed weight's product), in one pass
     (``x_scale`` (M, 1), ``w_scale`` (O,), ``bias`` (O,) or None), rounded as torch's
     ``acc.float().mul_(x_scale).mul_(w_scale).add_(bias)`` rounds; then max(0, ·) with
     ``relu`` (the FFN's, §3.3)."""
@@ -249,7 +250,8 @@ def warm_up() -> None:
         _, s = quantize_rows(torch.ones(2, 4))
         for bias in (torch.ones(3), None):
             for relu in (False, True):
-                rescale(torch.ones(2, 3, dtype=torch.int32), s, torch.ones(3), bias, relu)
+                for acc in (torch.int32, torch.float32):
+                    rescale(torch.ones(2, 3, dtype=acc), s, torch.ones(3), bias, relu)
 
 
 __all__ = ["AVAILABLE", "ENABLED", "attend", "prefix_lengths", "quantize_rows", "rescale", "usable",

@@ -8,7 +8,9 @@ encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Lin
 - activations: symmetric int8 with one scale per *input row* (per token, per beam row), made
   at each call from that row alone (``x ~ s_x[r] * x8[r, :]``);
 - the product ``x8 @ W8^T`` runs in ``torch._int_mm`` with int32 accumulation, which is exact,
-  then ``y = s_x[r] * s_w[o] * acc + b``.
+  or, for a shape where :func:`weight_packed_faster` finds it faster on this machine, in
+  oneDNN's int8 linear over a weight packed once (the same exact sums, as float32); then
+  ``y = s_x[r] * s_w[o] * acc + b``.
 
 No scale and no sum mixes rows (unlike per-tensor dynamic quantization, whose one activation
 scale is the batch's largest value), so each row's product is independent of its batch. The
@@ -88,6 +90,68 @@ def weight_columns_first(in_features: int, out_features: int) -> bool:
     return best[1] < 0.9 * best[0]
 
 
+def _packed_product(x8: Tensor, packed: Tensor, ones: Tensor, zeros: Tensor) -> Tensor:
+    """``x8 @ W8^T`` as float32 (rows, out) over a weight packed by ``qlinear_prepack``: every
+    scale 1 and zero point 0, so each entry is the exact int32 sum, converted to float32 as
+    ``torch._int_mm``'s sums are converted by the rescaling after it."""
+    return torch.ops.onednn.qlinear_pointwise(x8, 1.0, 0, packed, ones, zeros, None, 1.0, 0,
+                                              torch.float32, "none", [], "")
+
+
+def _pack(w8: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed weight, ones (out,), zeros (out,)) for :func:`_packed_product`, from an int8
+    (out, in) weight (packed from its (out, in) contiguous copy: a column-major view packs
+    wrongly)."""
+    n = w8.shape[0]
+    return (torch.ops.onednn.qlinear_prepack(w8.contiguous(), None), torch.ones(n),
+            torch.zeros(n, dtype=torch.long))
+
+
+@functools.cache
+def weight_packed_faster(in_features: int, out_features: int) -> bool:
+    """Whether oneDNN's int8 linear over a prepacked weight (:func:`_packed_product`) runs
+    this shape faster here than ``torch._int_mm`` in the layout :func:`weight_columns_first`
+    picks, and gives its exact sums.
+
+    Measured once per shape and process: products of 32 and of 256 rows (a decoding step's
+    rows, and an encoder's), each path's fastest of five, summed; the packed path must win by
+    10%. It pays where the weight is large: on the Intel Xeon with AMX (bf16 class), one
+    thread, (256 x 512) x (512 x 5852) took 849 us packed against 1,682 us, while (512 x 512)
+    maps ran level (docs/benchmarks.md). False where the op is missing (torch built without
+    oneDNN), fails, or gives other sums (checked on full-range inputs, as
+    :func:`weight_levels` checks ``torch._int_mm``)."""
+    import time
+
+    if not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return False
+    levels = weight_levels()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-levels, levels + 1, (out_features, in_features), dtype=torch.int8,
+                      generator=gen)
+    w[0] = levels  # one full-range row against a full-range input: the saturation case
+    wt = w.t().contiguous() if weight_columns_first(in_features, out_features) else w.t()
+    try:
+        packed = _pack(w)
+        xs = [torch.randint(-127, 128, (m, in_features), dtype=torch.int8, generator=gen)
+              for m in (32, 256)]
+        xs[0][0] = 127
+        for x in xs:
+            if not torch.equal(_packed_product(x, *packed), torch._int_mm(x, wt).float()):
+                return False
+    except RuntimeError:  # pragma: no cover - a build whose oneDNN lacks the op's kernels
+        return False
+    best = [[float("inf")] * 2 for _ in xs]
+    for _ in range(5):
+        for i, x in enumerate(xs):
+            t = time.perf_counter()
+            torch._int_mm(x, wt)
+            best[i][0] = min(best[i][0], time.perf_counter() - t)
+            t = time.perf_counter()
+            _packed_product(x, *packed)
+            best[i][1] = min(best[i][1], time.perf_counter() - t)
+    return sum(b[1] for b in best) < 0.9 * sum(b[0] for b in best)
+
+
 class Int8Linear(nn.Module):
     """``y = x W^T + b`` with int8 weights (per output row) and int8 activations (per input
     row, chosen at each call); x (..., in_features) float -> y (..., out_features) float32.
@@ -109,15 +173,32 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", scale.squeeze(1))  # (out,)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.relu = False  # max(0, y) after the bias (the FFN's first map: quantize_int8)
+        self._set_packed(w8.device.type == "cpu"
+                         and weight_packed_faster(self.in_features, self.out_features))
+
+    def _set_packed(self, on: bool) -> None:
+        """Run the product over a weight packed now (:func:`weight_packed_faster`), or not."""
+        self.packed = on
+        self._packed = _pack(self.weight_int8) if on else None
+
+    def __getstate__(self) -> dict:
+        # the packed weight is an opaque oneDNN tensor, which neither copies nor pickles: a
+        # copy packs its own at its first product
+        state = self.__dict__.copy()
+        state["_packed"] = None
+        return state
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8Linear:
         """The int8 copy of ``linear`` (weight (out, in), bias (out,) or None)."""
         return cls(linear.weight, linear.bias)
 
-    def rows(self, index: Tensor) -> Int8Linear:
+    def rows(self, index: Tensor, *, pack: bool = False) -> Int8Linear:
         """The map onto output rows ``index`` (long (k,)) only: the same int8 rows and scales,
-        so each output is this map's bit for bit (a vocabulary shortlist's output layer)."""
+        so each output is this map's bit for bit (a vocabulary shortlist's output layer).
+        Its product runs in ``torch._int_mm`` (packing costs milliseconds: a shortlist makes a
+        map per batch), unless ``pack``, where :func:`weight_packed_faster` says so for its
+        shape (a map made once)."""
         out = Int8Linear.__new__(Int8Linear)
         nn.Module.__init__(out)
         w8 = self.weight_int8[index]
@@ -128,6 +209,8 @@ class Int8Linear(nn.Module):
         out.register_buffer("weight_scale", self.weight_scale[index])
         out.register_buffer("bias", None if self.bias is None else self.bias[index])
         out.relu = self.relu
+        out._set_packed(pack and w8.device.type == "cpu"
+                        and weight_packed_faster(out.in_features, out.out_features))
         return out
 
     def forward(self, x: Tensor) -> Tensor:
@@ -135,7 +218,12 @@ class Int8Linear(nn.Module):
         rows = x.reshape(-1, shape[-1]).float()
         fused = kernels.usable(rows, kind="int8")  # 2 + 1 passes instead of 5 + 4 (+ relu)
         x8, x_scale = kernels.quantize_rows(rows) if fused else _quantize_rows(rows)
-        acc = torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
+        if self.packed and x8.device.type == "cpu":
+            if self._packed is None:  # a copy's (__getstate__)
+                self._packed = _pack(self.weight_int8)
+            acc = _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
+        else:
+            acc = torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
         if fused:
             y = kernels.rescale(acc, x_scale, self.weight_scale, self.bias, self.relu)
         else:
@@ -148,7 +236,8 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, int8 weights and activations")
+                f"bias={self.bias is not None}, int8 weights and activations"
+                + (", packed weight" if self.packed else ""))
 
 
 def _fuse_self_attention(module: nn.Module) -> None:
@@ -202,7 +291,7 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     ids = None if step_fixed_ids is None else q.output_token_ids(step_fixed_ids)
     if ids is not None:
-        q.step_projection = q.output_projection.rows(ids)  # its rows: one quantization
+        q.step_projection = q.output_projection.rows(ids, pack=True)  # one quantization
         q.step_token_ids = ids
     return q
 
@@ -211,4 +300,4 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
-__all__ = ["Int8Linear", "quantize_int8", "weight_columns_first"]
+__all__ = ["Int8Linear", "quantize_int8", "weight_columns_first", "weight_packed_faster"]
