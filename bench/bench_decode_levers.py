@@ -19,7 +19,9 @@ shared with other work, wall time measures the others as much as this; CPU time 
   stored as ``aiayn.model.quantize.weight_columns_first`` finds faster here, not always as
   (out, in) rows); ``packed weights`` (each map whose shape
   ``aiayn.model.quantize.weight_packed_faster`` finds faster over a prepacked weight runs in
-  oneDNN's int8 linear, not ``torch._int_mm``);
+  oneDNN's int8 linear, not ``torch._int_mm``); ``search`` (the searches' argmax and top-k
+  over the candidates in :func:`aiayn.model.kernels.row_argmax` and
+  :func:`~aiayn.model.kernels.beam_top`, not torch's);
 - ``all``: every lever, as decoding runs by default.
 
 It prints sentences per CPU second, the ratio to ``none``, the decoder row-steps and the share of sentences
@@ -114,7 +116,7 @@ def main() -> int:
 
     def decode(levers: set[str]):
         kernels.ENABLED.clear()
-        kernels.ENABLED.update({"attention", "int8"} & levers)
+        kernels.ENABLED.update(kernels.KINDS & levers)
         q = copies["fused qkv" in levers, "weight layout" in levers, "packed weights" in levers]
         stats, out = DecodeStats(), []
         t = time.process_time()
@@ -136,12 +138,13 @@ def main() -> int:
         return time.process_time() - t, stats.row_steps, out
 
     all_levers = {"attention", "int8", "fused qkv", "step 0", "no reorder", "weight layout",
-                  "packed weights"}
+                  "packed weights", "search"}
     configs = {"none": set(), "attention": {"attention"},
                "attention + no reorder": {"attention", "no reorder"},
                "int8 passes": {"int8"}, "fused qkv": {"fused qkv"},
                "weight layout": {"weight layout"}, "packed weights": {"packed weights"},
-               "all but packed weights": all_levers - {"packed weights"}, "all": all_levers}
+               "search": {"search"}, "all but packed weights": all_levers - {"packed weights"},
+               "all but search": all_levers - {"search"}, "all": all_levers}
     if args.beam > 1:
         configs["step 0"] = {"step 0"}
     decode(all_levers)  # warm-up
@@ -151,7 +154,7 @@ def main() -> int:
             seconds, row_steps, out = decode(levers)
             if name not in best or seconds < best[name][0]:
                 best[name] = (seconds, row_steps, out)
-    kernels.ENABLED.update({"attention", "int8"} if kernels.AVAILABLE else set())
+    kernels.ENABLED.update(kernels.KINDS if kernels.AVAILABLE else set())
     print(f"preset={args.preset} beam={args.beam} sentences={len(lines)} "
           f"output_tokens={args.length + 1} batch={args.batch_size} threads={args.threads} "
           f"cpu={platform.processor() or platform.machine()} "

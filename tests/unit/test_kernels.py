@@ -1,7 +1,8 @@
 """The decoding kernels (aiayn.model.kernels): attention over each query's own keys equals eq. 1
 (tests/reference.py) within float32 rounding, for cached self-attention, beams grouped over
 one sentence's encoder output, causal queries and padded sources; the int8 rescale and the
-fused W^QKV give today's int8 numbers bit for bit."""
+fused W^QKV give today's int8 numbers bit for bit; the searches' argmax and top-k give torch's
+answers."""
 
 from __future__ import annotations
 
@@ -161,3 +162,70 @@ def test_a_gathering_cache_gives_the_same_numbers_and_moves_no_keys(beam_size):
     gathered, moved = outs
     assert [[h.tokens for h in s] for s in gathered] == [[h.tokens for h in s] for s in moved]
     assert [[h.score for h in s] for s in gathered] == [[h.score for h in s] for s in moved]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (7, 130), (32, 8000)])
+def test_row_argmax_is_torchs_argmax_ties_and_infinities_included(shape):
+    """The first column of each row's maximum, as torch.argmax gives it: with -inf entries,
+    rows of one repeated maximum, an all -inf row; a NaN anywhere hands the call back."""
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=gen) * 4
+    x[0, 0] = float("-inf")
+    if shape[0] > 2:
+        x[1, shape[1] // 2:] = x[1].max()  # a tie: the first of them wins
+        x[2] = float("-inf")
+    assert torch.equal(kernels.row_argmax(x), x.argmax(dim=1))
+    for nan in (float("nan"), -float("nan")):
+        x[-1, -1] = nan
+        assert kernels.row_argmax(x) is None
+
+
+@pytest.mark.parametrize("n,G,V,k", [(1, 1, 5, 2), (3, 4, 7, 8), (5, 1, 300, 8),
+                                     (8, 4, 2000, 8), (2, 6, 1000, 12)])
+def test_beam_top_is_topk_over_the_summed_candidates(n, G, V, k):
+    """The k best of live + logp over each sentence's G rows: the same float sums as torch's
+    addition, in topk's order; banned (-inf) tokens and dead (-inf) beams included. Ties are
+    avoided by the random draws, except among -inf candidates, whose order topk leaves open
+    (their values are checked)."""
+    gen = torch.Generator().manual_seed(V)
+    logp = torch.log_softmax(torch.randn(n * G, V, generator=gen) * 3, dim=-1)
+    logp[:, :2] = float("-inf")  # PAD and BOS
+    live = torch.randn(n, G, generator=gen) * 5
+    if G > 1:
+        live[0, 1:] = float("-inf")  # one sentence with one live beam
+    want = (live[:, :, None] + logp.view(n, G, V)).view(n, G * V).topk(k, dim=1)
+    values, index = kernels.beam_top(logp, live, k)
+    assert torch.equal(values, want.values)
+    finite = values > float("-inf")
+    assert torch.equal(index[finite], want.indices[finite])
+    logp[-1, -1] = float("nan")
+    assert kernels.beam_top(logp, live, k) is None
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+def test_the_searches_find_the_same_hypotheses_with_the_search_kernels(beam_size):
+    """Greedy and beam search (n-best, alpha > 0) over a small model: the same tokens and
+    the same scores, bit for bit, with the search kernels and with torch's argmax and top-k."""
+    from test_search import SOURCES, encode_src, tiny_model  # tests/unit is on sys.path
+
+    from aiayn.decoding import CachedStep, beam_search, greedy_search
+
+    model = tiny_model(60, seed=5)
+    lens = torch.tensor([9, 4, 12, 6])
+    outs = []
+    try:
+        for enabled in (True, False):
+            if not enabled:
+                kernels.ENABLED.discard("search")
+            with torch.inference_mode():
+                memory, mask = encode_src(model, SOURCES)
+                step = CachedStep.start(model, memory, mask, 13)
+                if beam_size == 1:
+                    hyps = [[h] for h in greedy_search(step, lens)]
+                else:
+                    hyps = beam_search(step, lens, beam_size=beam_size, alpha=0.6,
+                                       nbest=beam_size)
+            outs.append([[(h.tokens, h.score) for h in s] for s in hyps])
+    finally:
+        kernels.ENABLED.add("search")
+    assert outs[0] == outs[1]

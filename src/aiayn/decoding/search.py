@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID
+from aiayn.model import kernels
 
 NEG_INF = float("-inf")
 
@@ -138,6 +139,35 @@ def _log_probs(logits: Tensor, t: int, max_lens: Tensor, min_len: int,
     return logp
 
 
+def _argmax(logp: Tensor) -> Tensor:
+    """``logp.argmax(dim=-1)`` for (n, V) ``logp``, by :func:`aiayn.model.kernels.row_argmax`
+    where it can run (the same columns, faster)."""
+    if kernels.usable(logp, kind="search"):
+        column = kernels.row_argmax(logp)
+        if column is not None:
+            return column
+    return logp.argmax(dim=-1)
+
+
+def _best_extensions(logp: Tensor, live: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` best extensions of each sentence's live hypotheses: (scores (n, k), indices
+    (n, k) into K * V, beam-major), from ``logp`` (n * G, V), G = 1 (the first step: beam 0
+    only) or K rows per sentence, and the raw log-prob sums ``live`` (n, K). One float
+    addition per candidate, then top-k; by :func:`aiayn.model.kernels.beam_top` where it can
+    run (the same sums without making them all)."""
+    n, K = live.shape
+    G = logp.shape[0] // n
+    V = logp.shape[-1]
+    if G * V >= k and kernels.usable(logp, live, kind="search"):
+        found = kernels.beam_top(logp, live[:, :G], k)
+        if found is not None:
+            return found
+    if G == 1:  # beams 1..K-1 are not alive yet (-inf)
+        logp = torch.cat([logp[:, None], logp.new_full((n, K - 1, V), NEG_INF)], dim=1)
+    cand = (live.unsqueeze(2) + logp.view(n, K, V)).view(n, K * V)
+    return cand.topk(k, dim=1)
+
+
 def _check_lens(max_lens: Tensor, min_len: int) -> None:
     if max_lens.dim() != 1 or max_lens.numel() == 0:
         raise ValueError(f"max_lens must be a non-empty 1-D tensor, got shape "
@@ -195,7 +225,7 @@ def greedy_search(
             stats.count(rows.numel())
         logp = _log_probs(step(tokens), t, lens, min_len)  # (n, V) or (n, V')
         if sampling is None:
-            column = logp.argmax(dim=-1)
+            column = _argmax(logp)
         else:
             column = _sample(logp, sampling, generator)
         log_prob = log_prob + logp.gather(1, column[:, None]).squeeze(1)
@@ -317,10 +347,8 @@ def beam_search(
         row_lens = lens.repeat_interleave(last.shape[0] // n)
         logp = _log_probs(step(last), t, row_lens, min_len, rules == "hf")  # (n*K or n, V)
         V = logp.shape[-1]
-        if t == 0:  # one row per sentence: its beams 1..K-1 are not alive yet (-inf)
-            logp = torch.cat([logp[:, None], logp.new_full((n, K - 1, V), NEG_INF)], dim=1)
-        cand = (live.unsqueeze(2) + logp.view(n, K, V)).view(n, K * V)
-        top, idx = cand.topk(min(2 * K, K * V), dim=1)  # (n, 2K)
+        # on step 0, one row per sentence: its beams 1..K-1 are not alive yet (-inf)
+        top, idx = _best_extensions(logp, live, min(2 * K, K * V))  # (n, 2K)
         beam, tok = idx // V, idx % V
         if ids is not None:  # columns -> token ids
             tok = ids[tok]
