@@ -155,16 +155,22 @@ _KEY_INF = np.int32(0x7F800000)  # the order key of +inf; -inf's is -_KEY_INF - 
 
 
 @_njit()
+def _order_key(b):  # pragma: no cover - compiled
+    # A float's order key, from its int32 bits: an int32 that orders as the float does (every
+    # float but NaN): the bits, with the magnitude flipped where the sign is set. The map is
+    # its own inverse, so it also turns a key back into the float's bits.
+    return np.int32(b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+
+
+@_njit()
 def _key_range(br, c0, c1):  # pragma: no cover - compiled
-    # The largest and the smallest order key of the float32 bits br[c0:c1]. A float's order key
-    # is an int32 that orders as the float does (every float but NaN): its bits, with the
-    # magnitude flipped where the sign is set. Integer maxima vectorize (float ones, which
-    # must mind NaN, do not: 7x slower). A NaN's key lies above +inf's or below -inf's.
+    # The largest and the smallest order key of the float32 bits br[c0:c1]. Integer maxima
+    # vectorize (float ones, which must mind NaN, do not: 7x slower). A NaN's key lies above
+    # +inf's or below -inf's.
     top = _KEY_MIN
     low = np.int32(0x7FFFFFFF)
     for c in range(c0, c1):
-        b = br[c]
-        k = np.int32(b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+        k = _order_key(br[c])
         top = np.int32(k if k > top else top)
         low = np.int32(k if k < low else low)
     return top, low
@@ -189,8 +195,7 @@ def _row_argmax(x, out):  # pragma: no cover - compiled
             out[r] = -1
             continue
         for c in range(V):
-            b = br[c]
-            if np.int32(b ^ ((b >> np.int32(31)) & np.int32(0x7FFFFFFF))) == top:
+            if _order_key(br[c]) == top:
                 out[r] = c
                 break
 
@@ -244,8 +249,8 @@ def _beam_top(logp, live, k, G, values, index):  # pragma: no cover - compiled
                 top, low = _key_range(br, ci * _CHUNK, min(ci * _CHUNK + _CHUNK, V))
                 if _has_nan(top, low):
                     return False
-                key[0] = np.int32(top ^ ((top >> np.int32(31)) & np.int32(0x7FFFFFFF)))
-                c = lg + key_f[0]  # an order key is its own inverse: the chunk's largest x
+                key[0] = _order_key(top)  # the chunk's largest x, as float bits
+                c = lg + key_f[0]
                 chunk_top[g * per_row + ci] = c
                 nb = _insert(bound_v, bound_i, nb, k, c, g * per_row + ci)
         bound = bound_v[k - 1] if nb == k else np.float32(-np.inf)

@@ -66,6 +66,20 @@ def weight_levels() -> int:
     return 127 if exact else 63
 
 
+def _fastest(calls: list, runs: int = 5) -> list[float]:
+    """Each call's fastest of ``runs`` timings, in seconds, the calls interleaved (so a
+    passing slowdown of the machine falls on all of them alike)."""
+    import time
+
+    best = [float("inf")] * len(calls)
+    for _ in range(runs):
+        for i, call in enumerate(calls):
+            t = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - t)
+    return best
+
+
 @functools.cache
 def weight_columns_first(in_features: int, out_features: int) -> bool:
     """Whether ``torch._int_mm`` runs faster here on the int8 weight stored column-major
@@ -75,18 +89,11 @@ def weight_columns_first(in_features: int, out_features: int) -> bool:
     of five): on the bf16 class oneDNN ran (32, 2048) x (2048, 512) 1.7x faster column-major,
     and the shapes with 512 inputs alike. The sums are exact either way, so only time changes.
     """
-    import time
-
     gen = torch.Generator().manual_seed(0)
     a = torch.randint(-127, 128, (32, in_features), dtype=torch.int8, generator=gen)
     w = torch.randint(-63, 64, (out_features, in_features), dtype=torch.int8, generator=gen)
     layouts = [w.t(), w.t().contiguous()]
-    best = [float("inf"), float("inf")]
-    for _ in range(5):
-        for i, b in enumerate(layouts):
-            t = time.perf_counter()
-            torch._int_mm(a, b)
-            best[i] = min(best[i], time.perf_counter() - t)
+    best = _fastest([lambda b=b: torch._int_mm(a, b) for b in layouts])
     return best[1] < 0.9 * best[0]
 
 
@@ -120,8 +127,6 @@ def weight_packed_faster(in_features: int, out_features: int) -> bool:
     maps ran level (docs/benchmarks.md). False where the op is missing (torch built without
     oneDNN), fails, or gives other sums (checked on full-range inputs, as
     :func:`weight_levels` checks ``torch._int_mm``)."""
-    import time
-
     if not hasattr(torch.ops.onednn, "qlinear_prepack"):
         return False
     levels = weight_levels()
@@ -140,16 +145,9 @@ def weight_packed_faster(in_features: int, out_features: int) -> bool:
                 return False
     except RuntimeError:  # pragma: no cover - a build whose oneDNN lacks the op's kernels
         return False
-    best = [[float("inf")] * 2 for _ in xs]
-    for _ in range(5):
-        for i, x in enumerate(xs):
-            t = time.perf_counter()
-            torch._int_mm(x, wt)
-            best[i][0] = min(best[i][0], time.perf_counter() - t)
-            t = time.perf_counter()
-            _packed_product(x, *packed)
-            best[i][1] = min(best[i][1], time.perf_counter() - t)
-    return sum(b[1] for b in best) < 0.9 * sum(b[0] for b in best)
+    best = _fastest([lambda x=x: torch._int_mm(x, wt) for x in xs]
+                    + [lambda x=x: _packed_product(x, *packed) for x in xs])
+    return sum(best[len(xs):]) < 0.9 * sum(best[: len(xs)])
 
 
 class Int8Linear(nn.Module):
