@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from aiayn.cli import main
+from aiayn.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,9 +35,20 @@ def _corpus(tmp_path: Path) -> list[str]:
 @pytest.mark.slow
 def test_auto_shape_is_probed_said_and_recorded(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
+    # tiny as a preset that writes a checkpoint every 60 s, and not the helper's 3 s set by hand:
+    # rule 5 sizes the interval to the budget
+    args = _corpus(tmp_path)
+    at = args.index("train.checkpoint_every_s=3")
+    del args[at - 1:at + 1]
+    preset = tmp_path / "presets" / "tiny.toml"
+    preset.parent.mkdir()
+    text = (ROOT / "src" / "aiayn" / "configs" / "tiny.toml").read_text(encoding="utf-8")
+    assert "checkpoint_every_s = 0\n" in text
+    preset.write_text(text.replace("checkpoint_every_s = 0\n", "checkpoint_every_s = 60\n"),
+                      encoding="utf-8")
+    args[args.index("tiny")] = str(preset)
     code = main(["pipeline", "--ensemble", "auto", "--time-budget-min", "0.25",
-                 "--run-dir", str(run_dir), "--no-progress", "--average", "1",
-                 *_corpus(tmp_path)])
+                 "--run-dir", str(run_dir), "--no-progress", "--average", "1", *args])
     assert code == 0
     out = capsys.readouterr().out
     said = [line for line in out.splitlines() if "[0/4] probe (" in line]
@@ -44,7 +56,7 @@ def test_auto_shape_is_probed_said_and_recorded(tmp_path: Path, capsys) -> None:
     results = json.loads((run_dir / "results.json").read_text())
     shape = results["shape"]
     assert shape == json.loads((run_dir / "shape.json").read_text())
-    assert shape["members"] in (1, 2) and shape["preset"] == "tiny"
+    assert shape["members"] in (1, 2) and shape["preset"] == str(preset)  # the file, kept
     assert {c["members"] for c in shape["candidates"]} <= {1, 2}
     assert all(c["updates_per_s"] > 0 and c["tokens_per_update"] > 0
                for c in shape["candidates"])
@@ -53,6 +65,11 @@ def test_auto_shape_is_probed_said_and_recorded(tmp_path: Path, capsys) -> None:
     config = json.loads(((run_dir / "member-1") if shape["members"] > 1 else run_dir)
                         .joinpath("config.json").read_text())
     assert config["train"]["warmup_steps"] == shape["warmup_steps"]
+    from aiayn.budget import checkpoint_every_for
+    every = checkpoint_every_for(15.0, load_config(str(preset)).train.checkpoint_every_s)
+    assert 0 < every < 60
+    assert config["train"]["checkpoint_every_s"] == shape["checkpoint_every_s"] == every
+    assert f"a checkpoint every {every:g} s" in out
 
 
 def test_a_budget_too_short_is_refused_with_its_minimum(tmp_path: Path, capsys) -> None:

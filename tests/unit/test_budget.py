@@ -4,12 +4,15 @@ short is refused with its minimum; a probe that cannot run falls back to a state
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from aiayn.budget import (LOW_ATTENTION_DROPOUT, LOW_DROPOUT_EPOCHS, LOW_P_DROP, MEMBER_PRESET,
-                          MIN_UPDATES, SINGLE_PRESET, TARGET_EPOCHS, WARMUP_SHARE, Candidate,
-                          choice_overrides, choose_shape, default_choice, dropout_for,
-                          warmup_for)
+from aiayn.budget import (CHECKPOINTS_PER_BUDGET, LOW_ATTENTION_DROPOUT, LOW_DROPOUT_EPOCHS,
+                          LOW_P_DROP, MEMBER_PRESET, MIN_CHECKPOINT_EVERY_S, MIN_UPDATES,
+                          SINGLE_PRESET, TARGET_EPOCHS, WARMUP_SHARE, Candidate,
+                          checkpoint_every_for, choice_overrides, choose_shape, default_choice,
+                          dropout_for, warmup_for)
 from aiayn.config import load_config
 from aiayn.errors import ConfigError
 
@@ -107,3 +110,19 @@ def test_the_fallback_is_stated_and_fits_the_cores() -> None:
     one = default_choice(1, "one core", 1600)
     assert (one.members, one.preset) == (1, SINGLE_PRESET)
     assert "the probe could not run (one core)" in one.reason
+
+
+def test_the_checkpoints_follow_the_budget() -> None:
+    # the hour and longer keep the preset's 120 s; a short budget writes as many checkpoints
+    assert checkpoint_every_for(3600, 120) == 120 == checkpoint_every_for(7200, 120)
+    assert checkpoint_every_for(600, 120) == 600 / CHECKPOINTS_PER_BUDGET < 120
+    assert checkpoint_every_for(10, 120) == MIN_CHECKPOINT_EVERY_S  # never a flood of them
+    assert checkpoint_every_for(600, 0) == 0 and checkpoint_every_for(0, 120) == 120
+    model = load_config(SINGLE_PRESET).model
+    short = replace(choose_shape(machine(0.5, 0.9), 600, CORPUS_TOKENS, 1600),
+                    checkpoint_every_s=checkpoint_every_for(600, 120))
+    assert f"train.checkpoint_every_s={short.checkpoint_every_s}" in choice_overrides(
+        short, [], model)
+    assert "a checkpoint every 20 s" in short.line()
+    assert not any(o.startswith("train.checkpoint_every_s=") for o in choice_overrides(
+        short, ["train.checkpoint_every_s=7"], model))  # the user's interval stays

@@ -83,7 +83,8 @@ def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, s
     """
     import tempfile
 
-    from aiayn.budget import MEMBER_PRESET, SINGLE_PRESET, Choice, choice_overrides
+    from aiayn.budget import (MEMBER_PRESET, SINGLE_PRESET, Choice, checkpoint_every_for,
+                              choice_overrides)
     from aiayn.config import load_config, read_json_object
     from aiayn.data.splits import load_split
     from aiayn.data.vocab import learn_vocabulary
@@ -98,17 +99,30 @@ def _auto_shape(args: argparse.Namespace, overrides: list[str], run_dir: Path, s
         record = read_json_object(layout.shape) if layout.shape.is_file() else None
         preset = args.preset or (MEMBER_PRESET if n > 1 else SINGLE_PRESET)
         return n, preset, None, record
+    probe_cfg = load_config(args.preset or MEMBER_PRESET, overrides)
+    budget_s = probe_cfg.train.time_budget_s
     if device.type != "cpu":  # the rule's rates and shapes are CPU cores'; a GPU trains one model
+        # (a GPU's first updates of each batch shape are many times slower than its steady
+        # rate, so a few timed updates would project a fraction of the run: docs/hardware.md)
         preset = args.preset or SINGLE_PRESET
         choice = Choice(1, 0, preset, load_config(preset, overrides).train.warmup_steps, 0, 0.0,
                         f"on {device}: one model (the probe times shapes of CPU cores)")
         say(f"[0/4] {choice.line()}")
     else:
-        probe_cfg = load_config(args.preset or MEMBER_PRESET, overrides)
         with tempfile.TemporaryDirectory() as tmp:
             learn_vocabulary(load_split(probe_cfg.data, "train"), probe_cfg.data).save(tmp)
-            choice = choose_for_budget(overrides, probe_cfg.train.time_budget_s, tmp,
+            choice = choose_for_budget(overrides, budget_s, tmp,
                                        lambda msg: say(f"[0/4] {msg}"), preset=args.preset)
+    # rule 5: the checkpoints follow the budget, whichever way the shape was found (unless the
+    # user set the interval)
+    preset_every = load_config(choice.preset, overrides).train.checkpoint_every_s
+    every = checkpoint_every_for(budget_s, preset_every)
+    if every != preset_every and \
+            not any(o.startswith("train.checkpoint_every_s=") for o in overrides):
+        choice = dataclasses.replace(choice, checkpoint_every_s=every)
+        say(f"[0/4] a checkpoint every {every:g} s: about {budget_s / every:.0f} in the "
+            f"{budget_s / 60:g}-minute budget, as the hour writes 30, so that the averaged "
+            "last ones are the run's end, not its warmup")
     overrides += choice_overrides(choice, overrides, load_config(choice.preset, overrides).model)
     record = choice.to_dict()
     run_dir.mkdir(parents=True, exist_ok=True)

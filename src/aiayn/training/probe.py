@@ -147,14 +147,15 @@ def choose_for_budget(overrides: list[str], budget_s: float, vocab_dir: str | Pa
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             (single,) = _collect([_spawn(single_cfg, vocab_dir, cores, work, "single", timed)])
-            candidates = [Candidate(1, cores, single_cfg.name, single["updates_per_s"],
+            # the preset as the user named it (a config file stays that file, not its name)
+            candidates = [Candidate(1, cores, preset or SINGLE_PRESET, single["updates_per_s"],
                                     single["tokens_per_update"])]
             if cores >= 2:
                 half = cores // 2
                 pair = _collect([_spawn(member_cfg, vocab_dir, half, work, f"member{k}", timed)
                                  for k in (1, 2)])
                 rate = min(p["updates_per_s"] for p in pair)  # the slower member sets the pace
-                candidates.append(Candidate(2, half, member_cfg.name, rate,
+                candidates.append(Candidate(2, half, preset or MEMBER_PRESET, rate,
                                             sum(p["tokens_per_update"] for p in pair) / 2))
     except (RuntimeError, OSError, ValueError) as err:
         choice = default_choice(cores, str(err), preset_warmup)
