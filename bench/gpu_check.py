@@ -215,7 +215,10 @@ def check_bench_decode(plan: Plan, run: Runner) -> dict[str, Any]:
     out = plan.out / "bench_decode.json"
     extra = (["--models", "multi30k", "--searches", "greedy", "--sentences", "16", "--length",
               "4", "--skip", "hf-fp32", "hf-bf16"] if plan.quick
-             else ["--models", "base", "--searches", "beam4", "--sentences", "256"])
+             # two rounds, the faster kept: a GPU's first call of each batch shape is many
+             # times slower (the first bf16 row ran at 34 sentences/s, the next at 165)
+             else ["--models", "base", "--searches", "beam4", "--sentences", "256",
+                   "--repeat", "2"])
     run([plan.python, str(ROOT / "bench" / "bench_decode_peers.py"), "--device", plan.device,
          "--json-out", str(out), "--work-dir", str(plan.out / "bench_decode-work"), *extra], 420)
     rows = json.loads(out.read_text(encoding="utf-8"))["results"]

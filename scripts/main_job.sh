@@ -3,7 +3,7 @@
 # BPE vocabulary, time a few updates of each shape on this machine (--ensemble auto, aiayn.budget:
 # two `multi30k-ensemble` members of one thread each where each still reaches 20 epochs in the
 # budget, else one `multi30k` model on all cores, with less dropout where it is projected under
-# 12 epochs), train that shape for 60 minutes
+# 12 epochs, and a checkpoint every budget/30 s, at most 120), train that shape for 60 minutes
 # on Multi30k en->de, average the last 5 or 10 checkpoints
 # and choose the width and the length penalty alpha on the validation set (beam 4), translate
 # test_2016_flickr once with the ensemble, print BLEU and chrF.
