@@ -15,6 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 LABELS = {"rule": "the shape rule (--ensemble auto)",
           "shape": "the shape rule before dropout followed the budget",
+          "before5": "the shape rule before the checkpoints followed the budget",
           "fixed": "round 3's fixed recipe (2 x multi30k-ensemble, warmup 1,600)"}
 
 
@@ -33,7 +34,8 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     labelled: set[tuple[float, float]] = set()  # a point both recipes share is labelled once
     for cls in dict.fromkeys(r["cpu_class"] for r in rows):
-        for recipe, style in (("rule", "o-"), ("shape", "^"), ("fixed", "s--")):
+        for recipe, style in (("rule", "o-"), ("shape", "^"), ("before5", "v"),
+                              ("fixed", "s--")):
             pts = sorted((float(r["minutes"]), float(r["test"])) for r in rows
                          if r["cpu_class"] == cls and r["recipe"] == recipe)
             if pts:
