@@ -44,17 +44,21 @@ def _njit(**options):
 
 
 @_njit(fastmath=True)
-def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, scale,
-            key_rows, out):  # pragma: no cover - compiled
-    # q: flat (N, Tq, H, D) contiguous; k, v: flat storages, key (r, h, j) starting at
-    # k_at[0] + r * k_at[1] + h * k_at[2] + j * k_at[3] (d contiguous), likewise v with v_at;
-    # query row r attends to key row r // group, keys 0 .. key_len[r // group] - 1 (and, if
-    # causal_from >= 0, only keys j <= causal_from + i for query i); out: flat (N, Tq, H, DV).
+def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
+            key_rows):  # pragma: no cover - compiled
+    # q, k, v: flat storages; at: int64 offsets and strides, query (r, i, h) starting at
+    # at[0] + r * at[1] + i * at[2] + h * at[3], key (r, h, j) at at[4] + r * at[5] + h * at[6]
+    # + j * at[7] (T = at[8] keys at most), value (r, h, j) at at[9] + r * at[10] + h * at[11]
+    # + j * at[12], each d contiguous; query row r attends to key row r // group, keys
+    # 0 .. key_len[r // group] - 1 (and, if causal_from >= 0, only keys j <= causal_from + i
+    # for query i). Returns out: flat (N, Tq, H, DV), allocated here.
     # With key_rows (N, Tk) non-empty, key j of query row r lies in key row key_rows[r, j].
     # Rows are taken as slices, whose indices numba knows are in range: that lets LLVM
     # vectorize the loops over d (with flat indices it did not, 8x slower).
-    k0, kr_s, kh_s, kj_s, T = k_at[0], k_at[1], k_at[2], k_at[3], k_at[4]
-    v0, vr_s, vh_s, vj_s = v_at[0], v_at[1], v_at[2], v_at[3]
+    q0, qr_s, qi_s, qh_s = at[0], at[1], at[2], at[3]
+    k0, kr_s, kh_s, kj_s, T = at[4], at[5], at[6], at[7], at[8]
+    v0, vr_s, vh_s, vj_s = at[9], at[10], at[11], at[12]
+    out = np.empty(N * Tq * H * DV, np.float32)
     scores = np.empty(max(T, 1), np.float32)
     acc = np.empty(DV, np.float32)
     by_row = key_rows.shape[0] > 0
@@ -64,7 +68,7 @@ def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, s
         for i in range(Tq):
             n = n_all if causal_from < 0 else min(n_all, causal_from + i + 1)
             for hh in range(H):
-                qo = ((r * Tq + i) * H + hh) * D
+                qo = q0 + r * qr_s + i * qi_s + hh * qh_s
                 qv = q[qo : qo + D]
                 ko = k0 + kr * kr_s + hh * kh_s
                 top = np.float32(-3.0e38)
@@ -97,6 +101,7 @@ def _attend(q, N, Tq, H, D, k, k_at, v, v_at, DV, key_len, group, causal_from, s
                 ov = out[oo : oo + DV]
                 for dd in range(DV):
                     ov[dd] = acc[dd]
+    return out
 
 
 @_njit()
@@ -111,12 +116,15 @@ def _amax_bits(xr):  # pragma: no cover - compiled
 
 
 @_njit()
-def _quantize_rows(x, levels, x8, scale):  # pragma: no cover - compiled
+def _quantize_rows(x, levels):  # pragma: no cover - compiled
     # x (M, K) float32 -> x8 (M, K) int8 and scale (M, 1) float32, torch's arithmetic exactly:
     # scale = max(amax|x|, 1e-12) / levels, x8 = round_half_even(x / scale). |x / scale| <=
     # levels < 2^22, where adding and subtracting 1.5 * 2^23 rounds half to even, as torch.round
-    # does, and vectorizes (a call to rint per element does not).
+    # does, and vectorizes (a call to rint per element does not). The outputs are allocated
+    # here: a torch.empty and a .numpy() per output cost more than the pass at decoding's sizes.
     M, K = x.shape
+    x8 = np.empty((M, K), np.int8)
+    scale = np.empty((M, 1), np.float32)
     magic = np.float32(12582912.0)
     bits = x.view(np.int32)
     top = np.empty(1, np.int32)
@@ -128,13 +136,15 @@ def _quantize_rows(x, levels, x8, scale):  # pragma: no cover - compiled
         scale[r, 0] = s
         for c in range(K):
             qr[c] = np.int32((xr[c] / s + magic) - magic)
+    return x8, scale
 
 
 @_njit()
-def _rescale(acc, x_scale, w_scale, bias, has_bias, relu, out):  # pragma: no cover - compiled
+def _rescale(acc, x_scale, w_scale, bias, has_bias, relu):  # pragma: no cover - compiled
     # out = float(acc) * x_scale[r] * w_scale[o] (+ bias[o]), rounded in that order (then
-    # max(0, .) with relu)
+    # max(0, .) with relu); out allocated here, as _quantize_rows allocates its outputs
     M, n_out = acc.shape
+    out = np.empty((M, n_out), np.float32)
     zero = np.float32(0.0)
     for r in range(M):
         sx = x_scale[r, 0]
@@ -148,6 +158,7 @@ def _rescale(acc, x_scale, w_scale, bias, has_bias, relu, out):  # pragma: no co
         if relu:
             for o in range(n_out):
                 yr[o] = max(yr[o], zero)
+    return out
 
 
 _KEY_MIN = np.int32(-2147483648)
@@ -281,9 +292,12 @@ ENABLED = set(KINDS) if AVAILABLE else set()
 def usable(*tensors: Tensor, kind: str = "attention") -> bool:
     """Whether the ``kind`` kernels (see :data:`ENABLED`) can run on ``tensors``: numba
     present, float32 on the CPU, no gradient wanted."""
-    return (kind in ENABLED and not torch.is_grad_enabled()
-            and not torch.is_autocast_enabled("cpu")
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
+    if kind not in ENABLED or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return False
+    for t in tensors:  # a loop, not all(generator): this runs dozens of times a step
+        if not t.is_cpu or t.dtype != torch.float32:
+            return False
+    return True
 
 
 _NO_ROWS = np.zeros((0, 0), dtype=np.int64)
@@ -313,16 +327,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
     """
     N, Tq, H, D = q.shape
     DV = v.shape[3]
+    if q.stride(3) != 1:
+        q = q.contiguous()
     if k.stride(3) != 1 or v.stride(3) != 1:
         k, v = k.contiguous(), v.contiguous()
-    out = torch.empty(N, Tq, H, DV, dtype=torch.float32)
-    k_at = np.array([k.storage_offset(), *k.stride()[:3], k.shape[2]], dtype=np.int64)
-    v_at = np.array([v.storage_offset(), *v.stride()[:3], v.shape[2]], dtype=np.int64)
-    _attend(q.contiguous().view(-1).numpy(), N, Tq, H, D, _storage(k), k_at, _storage(v),
-            v_at, DV, key_len.numpy(), group, causal_from,
-            np.float32(D**-0.5 if scale is None else scale),
-            _NO_ROWS if key_rows is None else key_rows.contiguous().numpy(), out.view(-1).numpy())
-    return out
+    # read in place through offsets and strides: no copy of q (a slice of W_qkv's output)
+    at = np.array([q.storage_offset(), *q.stride()[:3], k.storage_offset(), *k.stride()[:3],
+                   k.shape[2], v.storage_offset(), *v.stride()[:3]], dtype=np.int64)
+    out = _attend(_storage(q), _storage(k), _storage(v), at, N, Tq, H, D, DV, key_len.numpy(),
+                  group, causal_from, np.float32(D**-0.5 if scale is None else scale),
+                  _NO_ROWS if key_rows is None else key_rows.contiguous().numpy())
+    return torch.from_numpy(out).view(N, Tq, H, DV)
 
 
 def _storage(t: Tensor) -> np.ndarray:
@@ -334,11 +349,8 @@ def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row of a float32 (M, K) ``x``: (int8 (M, K), float32 scales (M, 1)),
     bit for bit what ``round(x / (max(amax|x|, 1e-12) / levels))`` gives in torch, in two
     passes instead of five."""
-    x = x.contiguous()
-    x8 = torch.empty(x.shape, dtype=torch.int8)
-    scale = torch.empty(x.shape[0], 1, dtype=torch.float32)
-    _quantize_rows(x.numpy(), levels, x8.numpy(), scale.numpy())
-    return x8, scale
+    x8, scale = _quantize_rows(x.contiguous().numpy(), levels)
+    return torch.from_numpy(x8), torch.from_numpy(scale)
 
 
 def rescale(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Tensor | None,
@@ -348,11 +360,23 @@ def rescale(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Tensor | None,
     (``x_scale`` (M, 1), ``w_scale`` (O,), ``bias`` (O,) or None), rounded as torch's
     ``acc.float().mul_(x_scale).mul_(w_scale).add_(bias)`` rounds; then max(0, ·) with
     ``relu`` (the FFN's, §3.3)."""
-    out = torch.empty(acc.shape, dtype=torch.float32)
     b = bias if bias is not None else w_scale
-    _rescale(acc.numpy(), x_scale.numpy(), w_scale.numpy(), b.numpy(), bias is not None, relu,
-             out.numpy())
-    return out
+    return torch.from_numpy(_rescale(acc.numpy(), x_scale.numpy(), w_scale.numpy(), b.numpy(),
+                                     bias is not None, relu))
+
+
+def int8_linear(rows: Tensor, levels: int, product, w_scale: np.ndarray, bias: np.ndarray,
+                has_bias: bool, relu: bool) -> Tensor:
+    """One int8 linear map's passes around its product, with the fewest conversions: the
+    float32 (M, K) ``rows`` quantized per row (:func:`quantize_rows`), ``product(x8)`` (a
+    callable: int8 (M, K) -> the exact sums (M, O), int32 or float32), then rescaled with the
+    bias and relu (:func:`rescale`): float32 (M, O), the same numbers as those two functions.
+    ``w_scale`` (O,) and ``bias`` (O,) are float32 numpy arrays (``bias`` any (O,) float32
+    array when ``has_bias`` is False): the caller keeps them, so they are not converted at each
+    call (:class:`aiayn.model.quantize.Int8Linear`)."""
+    x8, x_scale = _quantize_rows(rows.contiguous().numpy(), levels)
+    acc = product(torch.from_numpy(x8))
+    return torch.from_numpy(_rescale(acc.numpy(), x_scale, w_scale, bias, has_bias, relu))
 
 
 def row_argmax(x: Tensor) -> Tensor | None:
@@ -414,6 +438,6 @@ def warm_up() -> None:
         beam_top(torch.zeros(4, 3), torch.zeros(2, 2), 2)
 
 
-__all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "prefix_lengths",
-           "quantize_rows", "rescale", "row_argmax", "usable", "warm_up"]
+__all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "int8_linear",
+           "prefix_lengths", "quantize_rows", "rescale", "row_argmax", "usable", "warm_up"]
 

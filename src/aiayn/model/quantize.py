@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -171,6 +172,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", scale.squeeze(1))  # (out,)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.relu = False  # max(0, y) after the bias (the FFN's first map: quantize_int8)
+        self._numpy = None  # (_arrays)
         self._set_packed(w8.device.type == "cpu"
                          and weight_packed_faster(self.in_features, self.out_features))
 
@@ -184,6 +186,7 @@ class Int8Linear(nn.Module):
         # copy packs its own at its first product
         state = self.__dict__.copy()
         state["_packed"] = None
+        state["_numpy"] = None  # views of this module's buffers, not of the copy's
         return state
 
     @classmethod
@@ -207,29 +210,45 @@ class Int8Linear(nn.Module):
         out.register_buffer("weight_scale", self.weight_scale[index])
         out.register_buffer("bias", None if self.bias is None else self.bias[index])
         out.relu = self.relu
+        out._numpy = None
         out._set_packed(pack and w8.device.type == "cpu"
                         and weight_packed_faster(out.in_features, out.out_features))
         return out
 
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1]).float()
-        fused = kernels.usable(rows, kind="int8")  # 2 + 1 passes instead of 5 + 4 (+ relu)
-        x8, x_scale = kernels.quantize_rows(rows) if fused else _quantize_rows(rows)
+    def _product(self, x8: Tensor) -> Tensor:
+        """The exact sums ``x8 @ W8^T`` (rows, out): int32, or float32 over a packed weight."""
         if self.packed and x8.device.type == "cpu":
             if self._packed is None:  # a copy's (__getstate__)
                 self._packed = _pack(self.weight_int8)
-            acc = _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
-        else:
-            acc = torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
-        if fused:
-            y = kernels.rescale(acc, x_scale, self.weight_scale, self.bias, self.relu)
-        else:
-            y = acc.float().mul_(x_scale).mul_(self.weight_scale)
-            if self.bias is not None:
-                y.add_(self.bias)
-            if self.relu:
-                y.clamp_(min=0.0)
+            return _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
+        return torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The scales and bias as numpy arrays for :func:`aiayn.model.kernels.int8_linear`,
+        made once and remade only when the buffers are replaced (``.to``, a copy): converting
+        them at every call cost about as much as the rescaling pass at decoding's sizes."""
+        buffers = self._buffers
+        scale, bias = buffers["weight_scale"], buffers["bias"]
+        cached = self._numpy
+        if cached is None or cached[0] is not scale or cached[1] is not bias:
+            b = scale if bias is None else bias
+            cached = self._numpy = (scale, bias, scale.numpy(), b.numpy())
+        return cached[2], cached[3], bias is not None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        if kernels.usable(rows, kind="int8"):  # 2 + 1 passes instead of 5 + 4 (+ relu)
+            y = kernels.int8_linear(rows, 127, self._product, *self._arrays(), self.relu)
+            return y.view(*shape[:-1], self.out_features)
+        x8, x_scale = _quantize_rows(rows)  # torch ops: 5 + 4 passes (+ relu)
+        y = self._product(x8).float().mul_(x_scale).mul_(self.weight_scale)
+        if self.bias is not None:
+            y.add_(self.bias)
+        if self.relu:
+            y.clamp_(min=0.0)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
