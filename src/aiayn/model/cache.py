@@ -37,6 +37,8 @@ import threading
 import torch
 from torch import Tensor
 
+from aiayn.model.kernels import prefix_lengths
+
 
 class BufferPool:
     """Flat CPU tensors that decoder caches take their self-attention buffers from.
@@ -128,6 +130,8 @@ class DecoderCache:
         self._lo = 0  # the positions held are buffer[:, :, _lo : _lo + _held]
         self._held = 0
         self._pending = 0  # positions written in the step now running (until advance)
+        self._source_lengths: tuple[Tensor, Tensor | None] | None = None  # (src_mask, lengths)
+        self._self_lengths: tuple[int, int, Tensor] | None = None  # (n, t, lengths)
 
     @classmethod
     def start(cls, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
@@ -170,6 +174,23 @@ class DecoderCache:
         pos = torch.arange(rows.shape[1], device=rows.device)[None, :]
         return (k.transpose(1, 2)[rows, pos].transpose(1, 2),
                 v.transpose(1, 2)[rows, pos].transpose(1, 2))
+
+    def source_lengths(self) -> Tensor | None:
+        """:func:`aiayn.model.kernels.prefix_lengths` of :attr:`src_mask`: long (B',), the real
+        source tokens of each sentence, or None where they are not a prefix. Computed once per
+        source mask, not at every step (a reorder that keeps the sentences keeps it too)."""
+        known = self._source_lengths
+        if known is None or known[0] is not self.src_mask:
+            known = self._source_lengths = (self.src_mask, prefix_lengths(self.src_mask))
+        return known[1]
+
+    def self_lengths(self, n: int, t: int) -> Tensor:
+        """long (n,), each entry ``t``: the keys every row's self-attention sees in the step now
+        running (no window), made once a step for all the layers."""
+        known = self._self_lengths
+        if known is None or known[0] != n or known[1] != t:
+            known = self._self_lengths = (n, t, torch.full((n,), t, dtype=torch.long))
+        return known[2]
 
     def cached_len(self, layer: int) -> int:
         """Positions of ``layer`` held before the step now running."""
@@ -261,6 +282,7 @@ class DecoderCache:
         out = DecoderCache(cross, src_mask, window=self.window, group=group,
                            capacity=self.capacity, gather=self.gather)
         out.length, out._lo, out._held = self.length, self._lo, self._held
+        out._source_lengths = self._source_lengths  # checked against src_mask when read
         return out
 
     def index_select(self, index: Tensor) -> DecoderCache:

@@ -383,7 +383,7 @@ class DecoderLayer(nn.Module):
                                  k_offset=k_offset, device=x.device)
             self_len = None
             if cross_len is not None and self.window is None:  # every row holds all t_all
-                self_len = torch.full((x.shape[0],), t_all, dtype=torch.long)
+                self_len = cache.self_lengths(x.shape[0], t_all)
             attn = self.self_attn(y, kv, mask, projected=q, key_len=self_len,
                                   causal_from=cache.length if t_new > 1 else -1,
                                   key_rows=cache.key_rows)
@@ -688,7 +688,7 @@ class Transformer(nn.Module):
         x = self._embed(self.tgt_embed, tokens, offset=cache.length)
         cross_len = None
         if not self.training and kernels.usable(x):
-            cross_len = kernels.prefix_lengths(cache.src_mask)  # None unless right-padded
+            cross_len = cache.source_lengths()  # None unless right-padded
         for i, layer in enumerate(self.decoder):
             x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i, cross_len=cross_len)
         cache.advance(tokens.shape[1])
