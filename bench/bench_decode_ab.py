@@ -39,6 +39,9 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
+    from aiayn.devices import keep_freed_memory
+
+    keep_freed_memory()  # as `aiayn translate` does (aiayn.cli.DECODING_COMMANDS)
     from aiayn.config import load_config
     from aiayn.data.batching import pad_sources
     from aiayn.data.vocab import Vocabulary
