@@ -177,3 +177,60 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit():
             for m, w in zip((1, 17, 300), want):
                 x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
                 assert torch.equal(q(x), w) and torch.equal(copied(x), w)
+
+
+def test_int8_linear_follows_its_buffers_when_they_change():
+    """Int8Linear keeps numpy views of its scales and bias for the kernels (made once, not at
+    every call): a reload in place, a replaced buffer and a deep copy each give the numbers
+    that the torch path computes from the buffers as they are then, bit for bit."""
+    import copy
+
+    from aiayn.model import kernels
+
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(torch.nn.Linear(64, 48))
+    x = torch.randn(5, 64)
+
+    def both_paths(m):
+        with torch.inference_mode():
+            fast = m(x)
+            kept = set(kernels.ENABLED)
+            kernels.ENABLED.discard("int8")
+            try:
+                slow = m(x)
+            finally:
+                kernels.ENABLED.update(kept)
+        return fast, slow
+
+    before, _ = both_paths(q)
+    state = {k: v.clone() for k, v in q.state_dict().items()}
+    state["bias"] += 1.0
+    q.load_state_dict(state)  # copied into the same tensors
+    fast, slow = both_paths(q)
+    assert torch.equal(fast, slow) and not torch.equal(fast, before)
+    q.weight_scale = q.weight_scale * 2.0  # a new tensor for the buffer
+    fast, slow = both_paths(q)
+    assert torch.equal(fast, slow)
+    copied = copy.deepcopy(q)
+    copied.bias.zero_()  # the copy's own bias, not a view of the original's
+    c_fast, c_slow = both_paths(copied)
+    assert torch.equal(c_fast, c_slow) and torch.equal(both_paths(q)[0], fast)
+
+
+def test_the_caches_lengths_follow_its_rows():
+    """DecoderCache.source_lengths is computed once per source mask and kept across reorders
+    that keep the sentences; when sentences leave, it is the remaining ones' lengths."""
+    from aiayn.model.kernels import prefix_lengths
+
+    model = tiny_model(60, seed=3)
+    with torch.no_grad():
+        memory, mask = encode_src(model, SOURCES)
+        cache = CachedStep.start(model, memory, mask, 10).cache
+        lengths = cache.source_lengths()
+        assert torch.equal(lengths, mask.sum(dim=1)) and cache.source_lengths() is lengths
+        B = len(SOURCES)
+        same = cache.select_(torch.arange(B))
+        assert same.source_lengths() is lengths  # the same mask: not recomputed
+        fewer = same.select_(torch.tensor([0, 3]))
+        assert torch.equal(fewer.source_lengths(), prefix_lengths(mask[[0, 3]]))
+        assert torch.equal(fewer.self_lengths(2, 5), torch.tensor([5, 5]))
