@@ -234,3 +234,52 @@ def test_the_caches_lengths_follow_its_rows():
         fewer = same.select_(torch.tensor([0, 3]))
         assert torch.equal(fewer.source_lengths(), prefix_lengths(mask[[0, 3]]))
         assert torch.equal(fewer.self_lengths(2, 5), torch.tensor([5, 5]))
+
+
+@pytest.mark.parametrize("beam_size", [1, 4])
+@pytest.mark.parametrize("reserve", [True, False])
+def test_the_fused_int8_step_gives_the_layers_numbers(model, beam_size, reserve):
+    """FusedInt8Step runs the decoder stack in fewer Python-level operations: the same tokens
+    and scores, bit for bit, as the layers' own modules, with beams reordered, sentences
+    finishing at different lengths and (without a reservation) the cache's buffers growing."""
+    q = quantize_int8(model)
+    fused = q.int8_step
+    assert fused is not None
+    lens = torch.tensor([7, 3, 12, 5])
+
+    def search():
+        with torch.no_grad():
+            memory, mask = encode_src(q, SOURCES)
+            step = CachedStep.start(q, memory, mask, int(lens.max()) + 1 if reserve else 0)
+            if beam_size == 1:
+                return [(h.tokens, h.score) for h in greedy_search(step, lens)]
+            return [(h.tokens, h.score) for hs in beam_search(step, lens, beam_size=beam_size,
+                                                              nbest=beam_size) for h in hs]
+
+    before = fused.steps
+    got = search()
+    assert fused.steps > before  # it ran
+    q.int8_step = None  # the layers' own modules
+    try:
+        ref = search()
+    finally:
+        q.int8_step = fused
+    assert got == ref
+
+
+def test_the_fused_int8_step_leaves_recording_to_the_layers():
+    """Recording attention weights needs the layers' modules: the fused step steps aside
+    (the cache untouched) and the layers run and record."""
+    q = quantize_int8(tiny_model(60, seed=3))
+    attn = q.decoder[0].cross_attn
+    with torch.no_grad():
+        step = CachedStep.start(q, *encode_src(q, SOURCES), 4)
+        step(torch.ones(4, dtype=torch.long))
+        assert q.int8_step.steps == 1
+        attn.record_weights = True
+        try:
+            step(torch.ones(4, dtype=torch.long))
+        finally:
+            attn.record_weights = False
+    assert q.int8_step.steps == 1 and attn.weights is not None
+    assert step.cache.length == 2

@@ -132,6 +132,9 @@ class DecoderCache:
         self._pending = 0  # positions written in the step now running (until advance)
         self._source_lengths: tuple[Tensor, Tensor | None] | None = None  # (src_mask, lengths)
         self._self_lengths: tuple[int, int, Tensor] | None = None  # (n, t, lengths)
+        # what a step function keeps between steps (numpy views of this cache's tensors:
+        # aiayn.model.fused), carried through reorders; each entry checks its tensors itself
+        self.scratch: dict = {}
 
     @classmethod
     def start(cls, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
@@ -202,7 +205,7 @@ class DecoderCache:
         :meth:`advance` ends the step for all layers."""
         t_new = k.shape[2]
         if layer == 0 or self._k[layer] is None:
-            self._make_room(t_new, k, v)
+            self._make_room(t_new, k.shape[0], k.shape[1], k.shape[3], v.shape[3], k)
         at = self._lo + self._held
         kb, vb = self._k[layer], self._v[layer]
         n = k.shape[0]
@@ -212,6 +215,27 @@ class DecoderCache:
             self._rows[:n, at : at + t_new] = torch.arange(n, device=k.device)[:, None]
             self._pending = t_new
         return kb[:, :, self._lo : at + t_new], vb[:, :, self._lo : at + t_new]
+
+    def begin_step(self, n: int, h: int, d_k: int, d_v: int, like: Tensor
+                   ) -> tuple[int, Tensor]:
+        """Start a step of one position for ``n`` rows of a gathering cache without a window,
+        whose keys and values the caller writes into :meth:`buffers` itself (what
+        :meth:`append_self` does for every layer): room is made, each row's new position lies
+        in its own buffer row. Returns the position to write, p (the step's keys are positions
+        0 .. p), and the table of buffer rows, long (R', C): its rows :n and positions :p + 1
+        are :attr:`key_rows`. :meth:`advance` ends the step."""
+        if not self.gather or self.window is not None:
+            raise ValueError("begin_step needs a gathering cache without a window")
+        self._make_room(1, n, h, d_k, d_v, like)
+        at = self._lo + self._held
+        self._rows[:n, at] = torch.arange(n, device=like.device)
+        self._pending = 1
+        return at, self._rows
+
+    def buffers(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The self-attention buffers of ``layer``: keys (R, h, C, d_k) and values
+        (R, h, C, d_v), R >= n buffer rows, C positions reserved (see :attr:`key_rows`)."""
+        return self._k[layer], self._v[layer]
 
     def advance(self, t_new: int) -> None:
         """End a step of ``t_new`` positions: they are held from now on (under a window, only
@@ -223,7 +247,7 @@ class DecoderCache:
             self._lo += self._held - self.window
             self._held = self.window
 
-    def _make_room(self, t_new: int, k: Tensor, v: Tensor) -> None:
+    def _make_room(self, t_new: int, n: int, h: int, d_k: int, d_v: int, like: Tensor) -> None:
         need = self._held + t_new
         first = self._k[0]
         if first is not None and self._lo + need <= first.shape[2]:
@@ -235,20 +259,19 @@ class DecoderCache:
             capacity = size if need <= size // 2 else max(need, 2 * size)
             if self.capacity >= need:
                 capacity = min(capacity, max(self.capacity, size))
-        n, h = k.shape[:2]
         if first is not None:  # a gathering cache's buffer may hold more rows than are live
             n = max(n, first.shape[0])
         for i in range(len(self._k)):
             old_k, old_v = self._k[i], self._v[i]
-            new_k = BUFFERS.take((n, h, capacity, k.shape[3]), k)
-            new_v = BUFFERS.take((n, h, capacity, v.shape[3]), v)
+            new_k = BUFFERS.take((n, h, capacity, d_k), like)
+            new_v = BUFFERS.take((n, h, capacity, d_v), like)
             if old_k is not None and self._held:
                 new_k[:, :, : self._held] = old_k[:, :, self._lo : self._lo + self._held]
                 new_v[:, :, : self._held] = old_v[:, :, self._lo : self._lo + self._held]
             self._k[i], self._v[i] = new_k, new_v
         if self.gather:
             live = max(self.batch_size, 0 if self._rows is None else self._rows.shape[0])
-            rows = torch.zeros(live, capacity, dtype=torch.long, device=k.device)
+            rows = torch.zeros(live, capacity, dtype=torch.long, device=like.device)
             if self._rows is not None and self._held:
                 rows[: self._rows.shape[0], : self._held] = self._rows[:, : self._held]
             self._rows = rows
@@ -283,6 +306,7 @@ class DecoderCache:
                            capacity=self.capacity, gather=self.gather)
         out.length, out._lo, out._held = self.length, self._lo, self._held
         out._source_lengths = self._source_lengths  # checked against src_mask when read
+        out.scratch = self.scratch
         return out
 
     def index_select(self, index: Tensor) -> DecoderCache:

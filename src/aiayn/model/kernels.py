@@ -161,6 +161,70 @@ def _rescale(acc, x_scale, w_scale, bias, has_bias, relu):  # pragma: no cover -
     return out
 
 
+@_njit()
+def _rescale_add(acc, x_scale, w_scale, bias, has_bias, resid):  # pragma: no cover - compiled
+    # resid + _rescale(acc, ...): a sub-layer's output map and its residual connection (§5.4,
+    # dropout off) in one pass; the float addition is torch's ``x + out`` bit for bit
+    out = _rescale(acc, x_scale, w_scale, bias, has_bias, False)
+    M, n_out = out.shape
+    for r in range(M):
+        yr, xr = out[r], resid[r]
+        for o in range(n_out):
+            yr[o] = xr[o] + yr[o]
+    return out
+
+
+@_njit()
+def _rescale_quantize(acc, x_scale, w_scale, bias, has_bias, relu,
+                      levels):  # pragma: no cover - compiled
+    # _rescale then _quantize_rows: the FFN's inner layer, straight into W_2's int8 input
+    return _quantize_rows(_rescale(acc, x_scale, w_scale, bias, has_bias, relu), levels)
+
+
+@_njit()
+def _self_attention_step(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, kbuf, vbuf, pos,
+                         key_rows, scale, levels):  # pragma: no cover - compiled
+    # One decoding step of cached self-attention after the W^QKV product: rescale the sums
+    # (n, H * (2 Dk + Dv)), write each row's new key and value into buffer row r at position
+    # pos of kbuf (R, H, C, Dk) and vbuf (R, H, C, Dv), attend from each row's query over its
+    # keys 0 .. pos (key j of row r in buffer row key_rows[r, j]), and quantize the attention
+    # output (n, H * Dv) for W^O. The same calls, and so the same numbers, as the module path.
+    n = acc.shape[0]
+    qkv = _rescale(acc, x_scale, w_scale, bias, has_bias, False)
+    width = qkv.shape[1]
+    k0, v0 = H * Dk, 2 * H * Dk
+    for r in range(n):
+        for hh in range(H):
+            kbuf[r, hh, pos, :] = qkv[r, k0 + hh * Dk : k0 + (hh + 1) * Dk]
+            vbuf[r, hh, pos, :] = qkv[r, v0 + hh * Dv : v0 + (hh + 1) * Dv]
+    C = kbuf.shape[2]
+    T = pos + 1
+    at = np.empty(13, np.int64)
+    at[0], at[1], at[2], at[3] = 0, width, width, Dk
+    at[4], at[5], at[6], at[7], at[8] = 0, H * C * Dk, C * Dk, Dk, T
+    at[9], at[10], at[11], at[12] = 0, H * C * Dv, C * Dv, Dv
+    key_len = np.full(n, T, np.int64)
+    out = _attend(qkv.reshape(n * width), kbuf.reshape(kbuf.size), vbuf.reshape(vbuf.size),
+                  at, n, 1, H, Dk, Dv, key_len, 1, -1, scale, key_rows)
+    return _quantize_rows(out.reshape(n, H * Dv), levels)
+
+
+@_njit()
+def _cross_attention_step(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, k, v, kv_at,
+                          key_len, group, scale, no_rows, levels):  # pragma: no cover - compiled
+    # Encoder-decoder attention after the W^Q product: rescale the queries (n, H * Dk), attend
+    # over the flat storages k and v (kv_at: at[4:] of _attend), and quantize the output
+    # (n, H * Dv) for W^O
+    n = acc.shape[0]
+    q = _rescale(acc, x_scale, w_scale, bias, has_bias, False)
+    at = np.empty(13, np.int64)
+    at[0], at[1], at[2], at[3] = 0, H * Dk, H * Dk, Dk
+    at[4:] = kv_at
+    out = _attend(q.reshape(n * H * Dk), k, v, at, n, 1, H, Dk, Dv, key_len, group, -1, scale,
+                  no_rows)
+    return _quantize_rows(out.reshape(n, H * Dv), levels)
+
+
 _KEY_MIN = np.int32(-2147483648)
 _KEY_INF = np.int32(0x7F800000)  # the order key of +inf; -inf's is -_KEY_INF - 1
 
@@ -436,6 +500,20 @@ def warm_up() -> None:
                     rescale(torch.ones(2, 3, dtype=acc), s, torch.ones(3), bias, relu)
         row_argmax(torch.zeros(2, 3))
         beam_top(torch.zeros(4, 3), torch.zeros(2, 2), 2)
+        # the fused int8 step's kernels (aiayn.model.fused), over int32 and float32 sums
+        x8, xs = _quantize_rows(np.ones((2, 4), np.float32), 127)
+        ws, f4 = np.ones(4, np.float32), np.ones((2, 4), np.float32)
+        for acc in (np.ones((2, 4), np.int32), f4):
+            _rescale_add(acc, xs, ws, ws, True, f4)
+            _rescale_quantize(acc, xs, ws, ws, True, True, 127)
+            _cross_attention_step(acc, xs, ws, ws, True, 1, 4, 4, ws, ws,
+                                  np.array([0, 4, 4, 4, 1, 0, 4, 4, 4], np.int64),
+                                  np.ones(1, np.int64), 2, np.float32(0.5), _NO_ROWS, 127)
+            acc3 = np.ones((2, 12), acc.dtype)
+            w3 = np.ones(12, np.float32)
+            buf = np.zeros((2, 1, 3, 4), np.float32)
+            _self_attention_step(acc3, xs, w3, w3, True, 1, 4, 4, buf, buf.copy(), 0,
+                                 np.zeros((2, 3), np.int64), np.float32(0.5), 127)
 
 
 __all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "int8_linear",

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.model import kernels
+from aiayn.model.fused import FusedInt8Step
 from aiayn.model.transformer import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 
 
@@ -305,6 +306,8 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
         if isinstance(ffn, PositionwiseFeedForward) and ffn.activation is F.relu:
             ffn.W_1.relu = True
             ffn.activation = _identity
+    if fuse_qkv and _fusable(q):
+        q.int8_step = FusedInt8Step(q)
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     ids = None if step_fixed_ids is None else q.output_token_ids(step_fixed_ids)
     if ids is not None:
@@ -315,6 +318,20 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
 
 def _identity(x: Tensor) -> Tensor:
     return x
+
+
+def _fusable(q: nn.Module) -> bool:
+    """Whether :class:`~aiayn.model.fused.FusedInt8Step` runs ``q``'s decoder: every map int8,
+    W^Q, W^K and W^V fused, the FFN's relu inside W_1, and no attention window."""
+    if q.config.attention_window is not None:
+        return False
+    for layer in q.decoder:
+        maps = (layer.self_attn.W_qkv, layer.self_attn.W_o, layer.cross_attn.W_q,
+                layer.cross_attn.W_o, layer.ffn.W_1, layer.ffn.W_2)
+        if (not all(isinstance(m, Int8Linear) for m in maps) or not layer.ffn.W_1.relu
+                or layer.ffn.activation is not _identity):
+            return False
+    return True
 
 
 __all__ = ["Int8Linear", "quantize_int8", "weight_columns_first", "weight_packed_faster"]

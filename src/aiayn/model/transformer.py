@@ -473,6 +473,9 @@ class Transformer(nn.Module):
         # None: decode_step projects onto every token. Set by quantize_int8.
         self.step_projection: nn.Module | None = None
         self.step_token_ids: Tensor | None = None
+        # decode_step's layers as one fused int8 step (aiayn.model.fused.FusedInt8Step), or
+        # None: the layers' own modules. Set by quantize_int8.
+        self.int8_step = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -689,8 +692,13 @@ class Transformer(nn.Module):
         cross_len = None
         if not self.training and kernels.usable(x):
             cross_len = cache.source_lengths()  # None unless right-padded
-        for i, layer in enumerate(self.decoder):
-            x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i, cross_len=cross_len)
+        fused = None if self.int8_step is None else self.int8_step.run(x, cache, cross_len)
+        if fused is not None:  # the same numbers in fewer Python-level operations
+            x = fused
+        else:
+            for i, layer in enumerate(self.decoder):
+                x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i,
+                          cross_len=cross_len)
         cache.advance(tokens.shape[1])
         if projection is None and compact:
             projection = self.step_projection

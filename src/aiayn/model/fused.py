@@ -1,0 +1,164 @@
+"""One int8 decoding step through the decoder stack with the fewest Python-level operations.
+
+After round 4's kernels, an int8 decoding step on the CPU spent more time returning to Python
+between its maps than in them: each :class:`~aiayn.model.quantize.Int8Linear` call, each
+attention call, each residual and each reshape is a handful of Python-level operations, and a
+step's working set evicts the interpreter's data, so each costs 2-3x what it costs in a loop
+(``docs/benchmarks.md``). :class:`FusedInt8Step` runs the same step as
+:meth:`~aiayn.model.Transformer.decode_step`'s layer loop, in per sub-layer calls only:
+
+- self-attention: quantize its input; the W^QKV product; one kernel that rescales the sums,
+  writes the new keys and values into the cache's buffers, attends and quantizes the output
+  (:func:`aiayn.model.kernels._self_attention_step`); the W^O product; one kernel for the
+  rescaling and the residual; LayerNorm (torch's own, §3.1);
+- encoder-decoder attention: the same, the queries' rescaling, attention and quantization in
+  one kernel;
+- FFN: quantize, the W_1 product, one kernel for rescaling, relu and quantization, the W_2
+  product, rescaling with the residual, LayerNorm.
+
+Every number is the module path's, bit for bit: the same kernels in the same order, torch's
+LayerNorm and products, and float additions that round alike
+(``tests/unit/test_int8_decoding.py`` compares the logits of every step). It runs where the
+module path would run the CPU kernels: float32 on the CPU, no gradients, a gathering
+:class:`~aiayn.model.DecoderCache`, right-padded sources, one new position per row, no
+attention being recorded. Anywhere else :meth:`FusedInt8Step.run` returns None before it
+touches the cache, and the module path runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.model import kernels
+from aiayn.model.cache import DecoderCache
+
+
+class FusedInt8Step:
+    """The decoder stack of an int8 copy (:func:`aiayn.model.quantize.quantize_int8`) as one
+    step function: x (n, 1, d_model) -> (n, 1, d_model), the input of the output layer.
+
+    Args:
+        model: the int8 :class:`~aiayn.model.Transformer`; every decoder layer has an int8
+            ``W_qkv``, int8 maps elsewhere, and its FFN's relu inside ``W_1`` (the caller,
+            ``quantize_int8``, checks).
+    """
+
+    def __init__(self, model) -> None:
+        cfg = model.config
+        self.layers = list(model.decoder)
+        self.h, self.d_k, self.d_v, self.d_model = cfg.h, cfg.d_k, cfg.d_v, cfg.d_model
+        self.pre_norm = cfg.norm == "pre"
+        self.scale = np.float32(cfg.d_k**-0.5)  # kernels.attend's default scale
+        self.steps = 0  # steps run here (the module path ran the others)
+
+    def _layer_norm(self, norm, x: np.ndarray) -> np.ndarray:
+        y = F.layer_norm(torch.from_numpy(x), (self.d_model,), norm.weight, norm.bias, norm.eps)
+        return y.numpy()
+
+    def run(self, x: Tensor, cache: DecoderCache, cross_len: Tensor | None) -> Tensor | None:
+        """The decoder layers for one new position per row, extending ``cache``.
+
+        Args:
+            x: float32 (n, 1, d_model), the embedded newest tokens (positions added).
+            cache: the step's cache; extended by one position here (the caller then calls
+                :meth:`~aiayn.model.DecoderCache.advance`, as after the module path).
+            cross_len: long (B',), each sentence's real source tokens
+                (:meth:`~aiayn.model.DecoderCache.source_lengths`), or None.
+
+        Returns:
+            float32 (n, 1, d_model), or None (cache untouched) where this path does not apply.
+        """
+        n, t_new, d = x.shape
+        if (t_new != 1 or cross_len is None or not cache.gather or cache.window is not None
+                or not kernels.usable(x, kind="int8") or not kernels.usable(x)):
+            return None
+        for layer in self.layers:
+            if layer.self_attn.record_weights or layer.cross_attn.record_weights:
+                return None
+        H, Dk, Dv, scale, pre = self.h, self.d_k, self.d_v, self.scale, self.pre_norm
+        pos, table = cache.begin_step(n, H, Dk, Dv, x)
+        scratch = cache.scratch
+        rows = _numpy_of(scratch, "rows", table)
+        key_len = _numpy_of(scratch, "cross_len", cross_len)
+        group = cache.group
+        quantize = kernels._quantize_rows
+        xs = x.reshape(n, d).contiguous().numpy()
+        for i, layer in enumerate(self.layers):
+            # masked self-attention (§3.2.3) over the cache, then the residual (§5.4)
+            attn, res = layer.self_attn, layer.res_self
+            x8, sx = quantize(self._layer_norm(res.norm, xs) if pre else xs, 127)
+            lin = attn.W_qkv
+            kb, vb = _buffers(scratch, cache, i)
+            a8, sa = kernels._self_attention_step(
+                lin._product(torch.from_numpy(x8)).numpy(), sx, *lin._arrays(), H, Dk, Dv,
+                kb, vb, pos, rows, scale, 127)
+            xs = _output(attn.W_o, a8, sa, xs)
+            if not pre:
+                xs = self._layer_norm(res.norm, xs)
+            # encoder-decoder attention over this layer's cached encoder keys and values
+            attn, res = layer.cross_attn, layer.res_cross
+            x8, sx = quantize(self._layer_norm(res.norm, xs) if pre else xs, 127)
+            lin = attn.W_q
+            k, v, kv_at = _cross(scratch, cache, i)
+            a8, sa = kernels._cross_attention_step(
+                lin._product(torch.from_numpy(x8)).numpy(), sx, *lin._arrays(), H, Dk, Dv,
+                k, v, kv_at, key_len, group, scale, kernels._NO_ROWS, 127)
+            xs = _output(attn.W_o, a8, sa, xs)
+            if not pre:
+                xs = self._layer_norm(res.norm, xs)
+            # FFN (§3.3): relu inside W_1's rescaling
+            ffn, res = layer.ffn, layer.res_ffn
+            x8, sx = quantize(self._layer_norm(res.norm, xs) if pre else xs, 127)
+            lin = ffn.W_1
+            h8, sh = kernels._rescale_quantize(lin._product(torch.from_numpy(x8)).numpy(), sx,
+                                               *lin._arrays(), lin.relu, 127)
+            xs = _output(ffn.W_2, h8, sh, xs)
+            if not pre:
+                xs = self._layer_norm(res.norm, xs)
+        self.steps += 1
+        return torch.from_numpy(xs).view(n, 1, d)
+
+
+def _output(lin, x8: np.ndarray, x_scale: np.ndarray, resid: np.ndarray) -> np.ndarray:
+    """``resid + lin(x)`` from the int8 rows of x: a sub-layer's output map and its residual."""
+    return kernels._rescale_add(lin._product(torch.from_numpy(x8)).numpy(), x_scale,
+                                *lin._arrays(), resid)
+
+
+def _numpy_of(scratch: dict, name: str, t: Tensor) -> np.ndarray:
+    """``t.numpy()``, made once per tensor (kept in the cache's ``scratch``)."""
+    known = scratch.get(name)
+    if known is None or known[0] is not t:
+        known = scratch[name] = (t, t.numpy())
+    return known[1]
+
+
+def _buffers(scratch: dict, cache: DecoderCache, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """Layer ``layer``'s self-attention buffers as numpy arrays, remade when they are."""
+    k, v = cache.buffers(layer)
+    known = scratch.get(("self", layer))
+    if known is None or known[0] is not k or known[1] is not v:
+        known = scratch[("self", layer)] = (k, v, k.numpy(), v.numpy())
+    return known[2], known[3]
+
+
+def _cross(scratch: dict, cache: DecoderCache, layer: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Layer ``layer``'s encoder keys and values as flat storages, with their offsets and
+    strides (``at[4:]`` of :func:`aiayn.model.kernels._attend`), remade when they are."""
+    k, v = cache.cross[layer]
+    known = scratch.get(("cross", layer))
+    if known is None or known[0] is not k or known[1] is not v:
+        kc = k if k.stride(3) == 1 and v.stride(3) == 1 else k.contiguous()
+        vc = v if kc is k else v.contiguous()
+        at = np.array([kc.storage_offset(), *kc.stride()[:3], kc.shape[2],
+                       vc.storage_offset(), *vc.stride()[:3]], dtype=np.int64)
+        known = scratch[("cross", layer)] = (k, v, kernels._storage(kc), kernels._storage(vc),
+                                             at, kc, vc)
+    return known[2], known[3], known[4]
+
+
+__all__ = ["FusedInt8Step"]
