@@ -15,15 +15,17 @@
   run those products 4-5x faster than fp32, CPUs without it (AVX2 only: Zen 3, most laptops)
   emulate them 5-45x slower (45x for a large product on a real Zen 3, 10x for ``nn.Linear`` under
   autocast there), so the choice is never close and never depends on a CPU's name. For
-  decoding, :func:`probe_int8` times the same shapes in int8 too, and ``auto`` takes int8
-  where it beats fp32 by :data:`BF16_MIN_SPEEDUP` (batch-invariant, with the decoding kernels
-  around it), else bf16 where that does, else fp32.
+  decoding, :func:`probe_int8_step` times a few cached decoder steps of the model's shape in
+  fp32 and on its int8 copy, and ``auto`` takes int8 where the step runs
+  :data:`BF16_MIN_SPEEDUP` times as fast (int8 is batch-invariant), else bf16 where its
+  products do, else fp32.
 
 Mixed precision is not in the paper (§5.2 trained in float32 on P100 GPUs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from dataclasses import asdict, dataclass
@@ -47,6 +49,10 @@ BF16_MIN_SPEEDUP = 1.25
 SCREEN_EMULATED = 3.0
 PROBE_ROWS = 256  # rows of the probe's products: tokens of a batch, or beams x sentences
 SCREEN_ROWS = 32  # rows of the first, smaller probe that settles it where bf16 is emulated
+# the decoding probe (:func:`probe_int8_step`): 16 sentences of 16 source tokens at beam 4, 8
+# steps a call, over an output layer of at most 2,048 tokens (the rate, not the layer)
+STEP_PROBE_SENTENCES, STEP_PROBE_BEAM, STEP_PROBE_SOURCE, STEP_PROBE_STEPS = 16, 4, 16, 8
+STEP_PROBE_VOCAB = 2048
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class Precision:
         reason: one line saying why, for logs.
         fp32_gflops, bf16_gflops: the probe's rates on the model's product shapes, GFLOP/s
             on the process's current threads (None when no probe ran).
+        int8_speedup: for decoding's ``auto``, how many times as fast a cached decoder step
+            runs on the model's int8 copy as in fp32 (:func:`probe_int8_step`).
     """
 
     requested: str
@@ -66,7 +74,7 @@ class Precision:
     reason: str
     fp32_gflops: float | None = None
     bf16_gflops: float | None = None
-    int8_gops: float | None = None
+    int8_speedup: float | None = None
 
     @property
     def uses_bf16(self) -> bool:
@@ -151,31 +159,58 @@ def _probe(shapes: tuple[tuple[int, int, int], ...], threads: int) -> tuple[floa
 
 
 @functools.cache
-def _probe_int8(shapes: tuple[tuple[int, int, int], ...], threads: int) -> float:
+def _probe_int8_step(model: ModelConfig, threads: int) -> float:
     import torch
 
-    from aiayn.model.quantize import Int8Linear
+    from aiayn.model import Transformer, kernels
+    from aiayn.model.quantize import quantize_int8
 
+    cfg = dataclasses.replace(model, vocab_size=min(model.target_vocab_size, STEP_PROBE_VOCAB),
+                              tgt_vocab_size=None, output_vocab="all",
+                              attention_window=None)
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream is left as it was
+        torch.manual_seed(0)
+        fp32 = Transformer(cfg).eval()
+    int8 = quantize_int8(fp32)
+    kernels.warm_up()  # compiled once per machine (numba's on-disk cache), loaded after
     gen = torch.Generator().manual_seed(0)
-    maps = [(torch.randn(m, k, generator=gen), Int8Linear(torch.randn(n, k, generator=gen), None))
-            for m, k, n in shapes]
+    B, K, S, T = STEP_PROBE_SENTENCES, STEP_PROBE_BEAM, STEP_PROBE_SOURCE, STEP_PROBE_STEPS
+    src = torch.randint(3, cfg.vocab_size, (B, S), generator=gen)
+    tokens = torch.randint(3, cfg.vocab_size, (T, B * K, 1), generator=gen)
+    seconds = []
+    with torch.no_grad():
+        for m in (fp32, int8):
+            memory, mask = m.encode(src)
+            memory, mask = memory.repeat_interleave(K, 0), mask.repeat_interleave(K, 0)
 
-    def run() -> None:
-        for x, linear in maps:
-            linear(x)
+            def run(m=m, memory=memory, mask=mask) -> None:
+                cache = m.start_cache(memory, mask, capacity=T + 1)
+                for t in range(T):
+                    m.decode_step(tokens[t], cache)
 
-    ops = sum(2.0 * m * k * n for m, k, n in shapes)
-    return ops / _seconds_per_call(run, budget_s=0.005) / 1e9
+            seconds.append(_seconds_per_call(run, budget_s=0.05))
+    return seconds[0] / seconds[1]
 
 
-def probe_int8(model: ModelConfig, rows: int = PROBE_ROWS) -> float:
-    """GOP/s of ``model``'s product shapes (:func:`product_shapes`) as
-    :class:`~aiayn.model.quantize.Int8Linear` runs them here (row quantization, the int8
-    product, the float rescaling), on the process's current threads; kept for the process's
-    life. A few milliseconds."""
+def probe_int8_step(model: ModelConfig) -> float:
+    """How many times as fast a cached decoder step (§3, beam search's inner call) of
+    ``model``'s shape runs on its int8 copy (:func:`~aiayn.model.quantize.quantize_int8`) as
+    in fp32, on this CPU and the process's current threads: both decode
+    :data:`STEP_PROBE_STEPS` steps for 64 rows (16 sentences at beam 4) of random weights,
+    with ``model``'s layers and widths and an output layer of at most
+    :data:`STEP_PROBE_VOCAB` tokens, and the fastest of a few calls counts. The whole step,
+    not its products alone: the int8 path also runs fewer, fused calls around its products
+    (:class:`~aiayn.model.fused.FusedInt8Step`), which a product probe does not see (on the
+    simulated AVX2 class int8 products alone were 1.24x fp32's, whole decodes 1.6x). Kept
+    for the process's life; about 0.1-1 s, plus the decoding kernels' one-time compile on a
+    machine that never ran them.
+
+    Returns:
+        fp32 seconds a step ÷ int8 seconds a step (> 1: int8 is faster).
+    """
     import torch
 
-    return _probe_int8(tuple(product_shapes(model, rows)), torch.get_num_threads())
+    return _probe_int8_step(model, torch.get_num_threads())
 
 
 def probe_cpu(model: ModelConfig, rows: int = PROBE_ROWS) -> tuple[float, float]:
@@ -193,10 +228,10 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
 
     ``auto`` gives ``bf16-weights`` for training where bf16 is faster than fp32 by at least
     :data:`BF16_MIN_SPEEDUP` on ``model``'s product shapes, else ``fp32``. For decoding on a
-    CPU it also times those shapes in int8 (:func:`probe_int8`) and takes int8 where it beats
-    fp32 by that factor (on every CPU measured so far: VNNI on the bf16 class, AVX2 on the
-    other), else bf16 where that does, else fp32: int8 is batch-invariant and bf16 is not, and
-    bf16 products timed alone overrate bf16 decoding (docs/hardware.md). On CUDA ``auto`` is
+    CPU it also times a decoder step in int8 and in fp32 (:func:`probe_int8_step`) and takes
+    int8 where the step is that factor faster, else bf16 where its products are, else fp32:
+    int8 is batch-invariant and bf16 is not, and bf16 products timed alone overrate bf16
+    decoding (docs/hardware.md). On CUDA ``auto`` is
     ``bf16`` autocast where the device supports bf16. An explicit precision is kept, with a
     warning in ``reason`` when the probe finds bf16 slower on this CPU.
 
@@ -229,17 +264,16 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
         chosen = "bf16-weights" if faster else "fp32"
         return Precision(requested, chosen, rates, round(fp32, 1), round(bf16, 1))
     if requested == "auto":
-        int8 = probe_int8(model, rows)
-        # int8 first wherever it beats fp32: its products are exact and row by row, so it is
-        # batch-invariant, and the decoding kernels run around it; bf16 autocast is neither,
-        # and the product probe overrates it (docs/hardware.md, "Precision: chosen by the
-        # machine", has the measurement)
-        chosen = ("int8" if int8 >= BF16_MIN_SPEEDUP * fp32 else "bf16" if faster
-                  else "fp32")
-        rates = (f"int8 {int8:.1f} GOP/s, bf16 {bf16:.1f} and fp32 {fp32:.1f} GFLOP/s on the "
-                 "model's products")
+        int8 = probe_int8_step(model)
+        # int8 first wherever its step beats fp32's: its products are exact and row by row,
+        # so it is batch-invariant, and the decoding kernels run around it; bf16 autocast is
+        # neither, and the product probe overrates it (docs/hardware.md, "Precision: chosen
+        # by the machine", has the measurement)
+        chosen = ("int8" if int8 >= BF16_MIN_SPEEDUP else "bf16" if faster else "fp32")
+        rates = (f"an int8 decoder step {int8:.2f}x as fast as fp32's; bf16 {bf16:.1f} and "
+                 f"fp32 {fp32:.1f} GFLOP/s on the model's products")
         return Precision(requested, chosen, rates, round(fp32, 1), round(bf16, 1),
-                         round(int8, 1))
+                         round(int8, 2))
     note = "as asked" if bf16 >= fp32 else \
         f"as asked, but this CPU runs bf16 {fp32 / bf16:.0f}x slower than fp32 (use auto)"
     return Precision(requested, requested, f"{note}; {rates}", round(fp32, 1), round(bf16, 1))
@@ -269,7 +303,7 @@ def resumed_precision(current: Precision, recorded: str | None, recorded_device:
     return Precision(current.requested, recorded,
                      f"{recorded} kept from the checkpoint: a resumed run keeps its precision "
                      f"(this probe chose {current.chosen}: {current.reason})",
-                     current.fp32_gflops, current.bf16_gflops, current.int8_gops)
+                     current.fp32_gflops, current.bf16_gflops, current.int8_speedup)
 
 
 def default_decoding_precision(recorded: str | None = None,

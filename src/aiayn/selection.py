@@ -182,8 +182,9 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
     int8 (:func:`aiayn.model.quantize.quantize_int8`), on the members ``translator`` holds.
 
     int8 is chosen only where it loses at most :data:`REDUCED_PRECISION_MAX_BLEU_LOSS` BLEU and
-    the probe of the model's products (:func:`aiayn.precision.choose_precision`'s ``auto``)
-    finds it at least ``BF16_MIN_SPEEDUP`` times faster than fp32 on this machine. bf16 is never
+    the probe of a decoder step (:func:`aiayn.precision.probe_int8_step`, through
+    :func:`~aiayn.precision.choose_precision`'s ``auto``) finds it at least
+    ``BF16_MIN_SPEEDUP`` times as fast as fp32 on this machine. bf16 is never
     recorded, however fast: it is not batch-invariant.
 
     Args:
@@ -214,7 +215,7 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
     scores = {precision: round(bleu(hyps), 2) for precision, hyps in outputs.items()}
     same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"])) / max(1, len(sources))
     loss = scores["fp32"] - scores["int8"]
-    fast = (auto.int8_gops or 0.0) >= BF16_MIN_SPEEDUP * (auto.fp32_gflops or float("inf"))
+    fast = (auto.int8_speedup or 0.0) >= BF16_MIN_SPEEDUP
     ok = loss <= REDUCED_PRECISION_MAX_BLEU_LOSS
     chosen = "int8" if ok and fast else "fp32"
     why = (f"val BLEU fp32 {scores['fp32']:.2f}, int8 {scores['int8']:.2f} "

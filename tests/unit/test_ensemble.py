@@ -181,7 +181,7 @@ def test_a_run_records_int8_only_within_the_bleu_margin(monkeypatch, members, vo
         seen.append(hyps)
         return 30.0 - (int8_loss if len(seen) == 2 else 0.0)  # fp32 is scored first
 
-    monkeypatch.setattr(precision, "probe_int8", lambda model, rows: 1e6)  # int8 is fastest
+    monkeypatch.setattr(precision, "probe_int8_step", lambda model: 10.0)  # int8 is fastest
     got = check_reduced_precision(translator, LINES, bleu, decode)
     assert seen == [want["fp32"], want["int8"]]
     same = sum(a == b for a, b in zip(want["fp32"], want["int8"])) / len(LINES)
@@ -191,7 +191,7 @@ def test_a_run_records_int8_only_within_the_bleu_margin(monkeypatch, members, vo
     seen.clear()  # the caller's own fp32 output is used, not decoded again: the same verdict
     again = check_reduced_precision(translator, LINES, bleu, decode, fp32_hyps=want["fp32"])
     assert seen == [want["fp32"], want["int8"]] and again == got
-    monkeypatch.setattr(precision, "probe_int8", lambda model, rows: 1e-6)  # int8 is slow
+    monkeypatch.setattr(precision, "probe_int8_step", lambda model: 0.5)  # int8 is slow
     monkeypatch.setattr(precision, "probe_cpu", lambda model, rows: (100.0, 1.0))
     seen.clear()
     assert check_reduced_precision(translator, LINES, bleu, decode)["chosen"] == "fp32"

@@ -179,6 +179,35 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit():
                 assert torch.equal(q(x), w) and torch.equal(copied(x), w)
 
 
+def test_a_packed_product_far_slower_than_int_mm_is_screened_out_in_two_calls(monkeypatch):
+    """Where oneDNN runs its reference code for the packed int8 product (the family-26 EPYC:
+    thousands of times slower than ``torch._int_mm``), weight_packed_faster says no after
+    one exactness call and one screening call, both on 4 rows: it never runs the 32- or
+    256-row products nor the five rounds. Here the packed product is made slow by a sleep after the
+    real one (the sums stay exact, so only the screen can reject it)."""
+    import time
+
+    from aiayn.model import quantize
+
+    if not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        pytest.skip("torch without oneDNN's int8 linear")
+    real, rows = quantize._packed_product, []
+
+    def slow(x8, *packed):
+        rows.append(x8.shape[0])
+        out = real(x8, *packed)
+        time.sleep(0.02)  # 20 ms: over 4x any 4 x 320 x 96 int8 product's time
+        return out
+
+    monkeypatch.setattr(quantize, "_packed_product", slow)
+    quantize.weight_packed_faster.cache_clear()
+    try:
+        assert quantize.weight_packed_faster(320, 96) is False
+    finally:
+        quantize.weight_packed_faster.cache_clear()
+    assert rows in ([4], [4, 4]), rows  # [4]: the exactness check itself failed here
+
+
 def test_int8_linear_follows_its_buffers_when_they_change():
     """Int8Linear keeps numpy views of its scales and bias for the kernels (made once, not at
     every call): a reload in place, a replaced buffer and a deep copy each give the numbers

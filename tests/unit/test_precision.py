@@ -21,7 +21,7 @@ MODEL = load_config("multi30k").model
 def test_auto_takes_bf16_only_where_the_probe_finds_it_clearly_faster(monkeypatch, rates,
                                                                        training, chosen):
     monkeypatch.setattr(precision, "probe_cpu", lambda model, rows: rates)
-    monkeypatch.setattr(precision, "probe_int8", lambda model, rows: 1.0)  # int8 slow here
+    monkeypatch.setattr(precision, "probe_int8_step", lambda model: 0.8)  # int8 slow here
     got = choose_precision("auto", "cpu", MODEL, training=training)
     assert got.chosen == chosen and (got.fp32_gflops, got.bf16_gflops) == rates
     assert got.uses_bf16 == (chosen != "fp32")
@@ -30,16 +30,16 @@ def test_auto_takes_bf16_only_where_the_probe_finds_it_clearly_faster(monkeypatc
 
 
 @pytest.mark.parametrize("bf16, int8, chosen", [
-    (400.0, 900.0, "int8"),
-    (400.0, 300.0, "int8"),  # bf16 products faster, but int8 beats fp32: int8 first
-    (400.0, 110.0, "bf16"),  # int8 not clearly faster than fp32: bf16
-    (50.0, 300.0, "int8"), (50.0, 110.0, "fp32"), (110.0, 110.0, "fp32")])
+    (400.0, 3.0, "int8"),
+    (400.0, 1.3, "int8"),  # bf16 products faster, but the int8 step beats fp32's: int8 first
+    (400.0, 1.1, "bf16"),  # the int8 step not clearly faster than fp32's: bf16
+    (50.0, 1.3, "int8"), (50.0, 1.1, "fp32"), (110.0, 1.1, "fp32")])
 def test_decoding_auto_takes_int8_where_it_beats_fp32_then_bf16(monkeypatch, bf16, int8,
                                                                 chosen):
     monkeypatch.setattr(precision, "probe_cpu", lambda model, rows: (100.0, bf16))
-    monkeypatch.setattr(precision, "probe_int8", lambda model, rows: int8)
+    monkeypatch.setattr(precision, "probe_int8_step", lambda model: int8)
     got = choose_precision("auto", "cpu", MODEL, training=False)
-    assert got.chosen == chosen and got.int8_gops == int8
+    assert got.chosen == chosen and got.int8_speedup == int8
     assert got.uses_int8 == (chosen == "int8") and not (got.uses_int8 and got.uses_bf16)
     assert choose_precision("auto", "cpu", MODEL, training=True).chosen != "int8"
 
@@ -112,3 +112,20 @@ def test_the_real_probe_follows_the_cpus_bf16_support():
     assert choose_precision("auto", "cpu", MODEL).chosen == ("bf16-weights" if native
                                                              else "fp32")
 
+
+
+def test_the_decoding_probe_times_a_real_step_and_leaves_the_callers_random_stream():
+    """probe_int8_step decodes a few cached steps of the model's shape in fp32 and on its
+    int8 copy: a positive, finite ratio, kept for the process (the same value again), and
+    the caller's torch random stream continues as if no probe had run."""
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    speedup = precision.probe_int8_step(MODEL)
+    assert torch.equal(torch.rand(3), want)
+    assert 0.0 < speedup < float("inf")
+    assert precision.probe_int8_step(MODEL) == speedup
+    got = choose_precision("auto", "cpu", MODEL, training=False)
+    assert got.int8_speedup == round(speedup, 2)
+    assert f"int8 decoder step {speedup:.2f}x as fast as fp32's" in got.reason
+    assert (got.chosen == "int8") == (speedup >= precision.BF16_MIN_SPEEDUP)

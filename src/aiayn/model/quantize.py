@@ -116,6 +116,10 @@ def _pack(w8: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             torch.zeros(n, dtype=torch.long))
 
 
+# the packed path is dropped at once where one call of it is this many times _int_mm's
+PACKED_SCREEN_SLOWER = 4.0
+
+
 @functools.cache
 def weight_packed_faster(in_features: int, out_features: int) -> bool:
     """Whether oneDNN's int8 linear over a prepacked weight (:func:`_packed_product`) runs
@@ -127,8 +131,11 @@ def weight_packed_faster(in_features: int, out_features: int) -> bool:
     10%. It pays where the weight is large: on the Intel Xeon with AMX (bf16 class), one
     thread, (256 x 512) x (512 x 5852) took 849 us packed against 1,682 us, while (512 x 512)
     maps ran level (docs/benchmarks.md). False where the op is missing (torch built without
-    oneDNN), fails, or gives other sums (checked on full-range inputs, as
-    :func:`weight_levels` checks ``torch._int_mm``)."""
+    oneDNN), fails, gives other sums (checked on full-range inputs, as
+    :func:`weight_levels` checks ``torch._int_mm``), or where one call of 4 rows screens it
+    :data:`PACKED_SCREEN_SLOWER` times slower than ``torch._int_mm`` (oneDNN's reference
+    code, where it has no kernel for the CPU: then the probe costs milliseconds, not
+    seconds)."""
     if not hasattr(torch.ops.onednn, "qlinear_prepack"):
         return False
     levels = weight_levels()
@@ -142,6 +149,18 @@ def weight_packed_faster(in_features: int, out_features: int) -> bool:
         xs = [torch.randint(-127, 128, (m, in_features), dtype=torch.int8, generator=gen)
               for m in (32, 256)]
         xs[0][0] = 127
+        # the screen: 4 rows (the full-range one among them), one exactness call and then
+        # one timed call of each path (the packed path's first call built its kernel). Where
+        # oneDNN has no fast kernel for this CPU the packed product runs its reference code,
+        # thousands of times slower (the family-26 EPYC: 98 ms for 32 x 256 x 768, 0.8 s for
+        # 256 rows), and the full timing below would cost seconds a shape for a clear verdict
+        few = xs[0][:4]
+        if not torch.equal(_packed_product(few, *packed), torch._int_mm(few, wt).float()):
+            return False
+        screen = _fastest([lambda: torch._int_mm(few, wt),
+                           lambda: _packed_product(few, *packed)], runs=1)
+        if screen[1] > PACKED_SCREEN_SLOWER * screen[0]:
+            return False
         for x in xs:
             if not torch.equal(_packed_product(x, *packed), torch._int_mm(x, wt).float()):
                 return False
