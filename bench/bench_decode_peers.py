@@ -34,7 +34,9 @@ With ``--threads T`` >= 2, each engine also runs at its own best layout for T co
 CTranslate2 int8 with ``inter_threads=T, intra_threads=1`` (T one-thread translators over one
 model, fed by ``translate_iterable``: its parallelism docs' advice for throughput), and aiayn's
 default in T forked one-thread processes over the one model (``aiayn default Tx1``, as
-``aiayn translate --workers T`` decodes), each decoding every T-th batch.
+``aiayn translate --workers T`` decodes, forked for each call), each decoding every T-th batch,
+and in T one-thread processes forked once before the timed region (``aiayn default Tx1 pool``,
+as ``aiayn serve`` keeps them), each taking the next batch as it frees up.
 
 For each model size and search it prints sentences/s (wall time), sentences per CPU second
 (one-process rows: on a machine shared with other work, CPU time is the steadier figure), the
@@ -321,6 +323,41 @@ def main() -> int:
                 return best, [[vocab.output_pieces[i] for i in r[0].tokens[:-1]] for r in out], \
                     translator.precision, stats, best_cpu
 
+            def run_aiayn_pool(workers):
+                """aiayn's default in ``workers`` one-thread processes forked once, before the
+                timed region (``aiayn.decoding.workers.WorkerPool``, as ``aiayn serve`` keeps
+                them), each taking the next batch as it frees up: like CTranslate2's
+                ``inter_threads`` translators, which are made before the timed region too."""
+                from concurrent.futures import ThreadPoolExecutor
+
+                from aiayn.decoding.workers import WorkerPool
+
+                translator = Translator(model, vocab, config=config, device=device,
+                                        precision="auto")
+                search = dict(beam_size=beam, alpha=0.0, max_len_a=0.0, max_len_b=args.length,
+                              batch_size=args.batch_size, beam_rules="hf")
+                translator.generate(lines[:8], preprocessed=True, min_len=args.length,
+                                    **search)  # warm-up (and the int8 copy) before the fork
+                batches = [lines[i:i + args.batch_size]
+                           for i in range(0, len(lines), args.batch_size)]
+
+                def decode(batch):
+                    return [r[0].tokens for r in translator.generate(
+                        batch, preprocessed=True, min_len=args.length, **search)]
+
+                best, out = float("inf"), None
+                with WorkerPool(decode, workers) as pool, \
+                        ThreadPoolExecutor(workers) as threads:
+                    list(threads.map(pool.run, batches[:workers]))  # each child's first batch
+                    for _ in range(args.repeat):
+                        t = time.perf_counter()
+                        out = [tokens for done in threads.map(pool.run, batches)
+                               for tokens in done]
+                        best = min(best, time.perf_counter() - t)
+                assert all(len(tokens) == args.length + 1 for tokens in out), "lengths not fixed"
+                return best, [[vocab.output_pieces[i] for i in tokens[:-1]] for tokens in out], \
+                    translator.precision
+
             seconds, ref_tokens, _, stats, cpu = run_aiayn("fp32")
             record("aiayn fp32", seconds, ref_tokens, cpu, row_steps=stats.row_steps)
             for precision in ("bf16", "int8"):
@@ -335,6 +372,9 @@ def main() -> int:
                     seconds, toks, chosen, stats, cpu = run_aiayn("auto", workers=args.threads)
                     record(f"aiayn default {args.threads}x1", seconds, toks,
                            precision=chosen.chosen, row_steps=stats.row_steps)
+                    seconds, toks, chosen = run_aiayn_pool(args.threads)
+                    record(f"aiayn default {args.threads}x1 pool", seconds, toks,
+                           precision=chosen.chosen)
             for dtype in ("fp32", "bf16"):
                 if f"hf-{dtype}" in args.skip:
                     continue
