@@ -296,24 +296,30 @@ def main() -> int:
                       + (f"  row-steps {row['row_steps']}" if "row_steps" in row else ""),
                       flush=True)
 
+            settings = dict(beam_size=beam, alpha=0.0, max_len_a=0.0, max_len_b=args.length,
+                            batch_size=args.batch_size, beam_rules="hf")
+
+            def warm_translator(precision):
+                """A Translator at ``precision``, warmed up (and its int8 copy made) on 8
+                lines, outside any timed region."""
+                translator = Translator(model, vocab, config=config, device=device,
+                                        precision=precision)
+                translator.generate(lines[:8], preprocessed=True, min_len=args.length, **settings)
+                return translator
+
             def run_aiayn(precision, workers=1):
                 """aiayn's product surface, as `aiayn translate` runs it: a Translator at
                 ``precision``; with ``workers`` > 1, that many forked one-thread processes
                 over the one model (``aiayn translate``'s ``--workers``,
                 :mod:`aiayn.decoding.workers`)."""
-                translator = Translator(model, vocab, config=config, device=device,
-                                        precision=precision)
-                search = dict(beam_size=beam, alpha=0.0, max_len_a=0.0, max_len_b=args.length,
-                              batch_size=args.batch_size, beam_rules="hf")
-                translator.generate(lines[:8], preprocessed=True, min_len=args.length,
-                                    **search)  # warm-up (and the int8 copy, made once)
+                translator = warm_translator(precision)
                 best, best_cpu, out, stats = float("inf"), float("inf"), None, None
                 for _ in range(args.repeat):
                     cuda_sync()
                     t, c = time.perf_counter(), time.process_time()
                     stats = DecodeStats()
                     out = translator.generate(lines, preprocessed=True, min_len=args.length,
-                                              stats=stats, workers=workers, **search)
+                                              stats=stats, workers=workers, **settings)
                     cuda_sync()
                     best = min(best, time.perf_counter() - t)
                     best_cpu = min(best_cpu, time.process_time() - c)
@@ -332,18 +338,13 @@ def main() -> int:
 
                 from aiayn.decoding.workers import WorkerPool
 
-                translator = Translator(model, vocab, config=config, device=device,
-                                        precision="auto")
-                search = dict(beam_size=beam, alpha=0.0, max_len_a=0.0, max_len_b=args.length,
-                              batch_size=args.batch_size, beam_rules="hf")
-                translator.generate(lines[:8], preprocessed=True, min_len=args.length,
-                                    **search)  # warm-up (and the int8 copy) before the fork
+                translator = warm_translator("auto")  # before the fork
                 batches = [lines[i:i + args.batch_size]
                            for i in range(0, len(lines), args.batch_size)]
 
                 def decode(batch):
                     return [r[0].tokens for r in translator.generate(
-                        batch, preprocessed=True, min_len=args.length, **search)]
+                        batch, preprocessed=True, min_len=args.length, **settings)]
 
                 best, out = float("inf"), None
                 with WorkerPool(decode, workers) as pool, \

@@ -17,8 +17,8 @@
   autocast there), so the choice is never close and never depends on a CPU's name. For
   decoding, :func:`probe_int8_step` times a few cached decoder steps of the model's shape in
   fp32 and on its int8 copy, and ``auto`` takes int8 where the step runs
-  :data:`BF16_MIN_SPEEDUP` times as fast (int8 is batch-invariant), else bf16 where its
-  products do, else fp32.
+  :data:`INT8_MIN_SPEEDUP` times as fast (int8 is batch-invariant), else bf16 where its
+  products beat fp32's by :data:`BF16_MIN_SPEEDUP`, else fp32.
 
 Mixed precision is not in the paper (§5.2 trained in float32 on P100 GPUs).
 """
@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 # bf16 must beat fp32 by this factor to be chosen: its casts, and LayerNorm and softmax around
 # the products, cost time the product probe does not see, and bf16 rounds more
 BF16_MIN_SPEEDUP = 1.25
+# an int8 decoder step must beat fp32's by this factor to be chosen: the step probe sees the
+# whole step, so this is a margin for its noise (a few calls of random weights) and for the
+# outputs int8 changes, not for unseen work
+INT8_MIN_SPEEDUP = 1.25
 # the screen settles it alone only when bf16 is this many times slower: emulated bf16 (4.6x
 # slower than fp32 at the screen's shape on the simulated AVX2 class); native bf16 can lose
 # at 32 rows yet win at a batch's (`tiny` on the bf16 class, one thread: 2.2x slower at 32
@@ -193,7 +197,7 @@ def _probe_int8_step(model: ModelConfig, threads: int) -> float:
 
 
 def probe_int8_step(model: ModelConfig) -> float:
-    """How many times as fast a cached decoder step (§3, beam search's inner call) of
+    """How many times as fast a cached decoder step (§3; the searches' inner call, §6.1) of
     ``model``'s shape runs on its int8 copy (:func:`~aiayn.model.quantize.quantize_int8`) as
     in fp32, on this CPU and the process's current threads: both decode
     :data:`STEP_PROBE_STEPS` steps for 64 rows (16 sentences at beam 4) of random weights,
@@ -202,8 +206,9 @@ def probe_int8_step(model: ModelConfig) -> float:
     not its products alone: the int8 path also runs fewer, fused calls around its products
     (:class:`~aiayn.model.fused.FusedInt8Step`), which a product probe does not see (on the
     simulated AVX2 class int8 products alone were 1.24x fp32's, whole decodes 1.6x). Kept
-    for the process's life; about 0.1-1 s, plus the decoding kernels' one-time compile on a
-    machine that never ran them.
+    for the process's life; 0.5 s (``multi30k``) to 3 s (``base``) on one thread, about half
+    of it building and quantizing the random model, plus the decoding kernels' one-time
+    compile on a machine that never ran them.
 
     Returns:
         fp32 seconds a step ÷ int8 seconds a step (> 1: int8 is faster).
@@ -229,7 +234,8 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
     ``auto`` gives ``bf16-weights`` for training where bf16 is faster than fp32 by at least
     :data:`BF16_MIN_SPEEDUP` on ``model``'s product shapes, else ``fp32``. For decoding on a
     CPU it also times a decoder step in int8 and in fp32 (:func:`probe_int8_step`) and takes
-    int8 where the step is that factor faster, else bf16 where its products are, else fp32:
+    int8 where the step is :data:`INT8_MIN_SPEEDUP` times as fast, else bf16 where its
+    products beat fp32's by :data:`BF16_MIN_SPEEDUP`, else fp32:
     int8 is batch-invariant and bf16 is not, and bf16 products timed alone overrate bf16
     decoding (docs/hardware.md). On CUDA ``auto`` is
     ``bf16`` autocast where the device supports bf16. An explicit precision is kept, with a
@@ -269,7 +275,7 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
         # so it is batch-invariant, and the decoding kernels run around it; bf16 autocast is
         # neither, and the product probe overrates it (docs/hardware.md, "Precision: chosen
         # by the machine", has the measurement)
-        chosen = ("int8" if int8 >= BF16_MIN_SPEEDUP else "bf16" if faster else "fp32")
+        chosen = ("int8" if int8 >= INT8_MIN_SPEEDUP else "bf16" if faster else "fp32")
         rates = (f"an int8 decoder step {int8:.2f}x as fast as fp32's; bf16 {bf16:.1f} and "
                  f"fp32 {fp32:.1f} GFLOP/s on the model's products")
         return Precision(requested, chosen, rates, round(fp32, 1), round(bf16, 1),

@@ -182,9 +182,8 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
     int8 (:func:`aiayn.model.quantize.quantize_int8`), on the members ``translator`` holds.
 
     int8 is chosen only where it loses at most :data:`REDUCED_PRECISION_MAX_BLEU_LOSS` BLEU and
-    the probe of a decoder step (:func:`aiayn.precision.probe_int8_step`, through
-    :func:`~aiayn.precision.choose_precision`'s ``auto``) finds it at least
-    ``BF16_MIN_SPEEDUP`` times as fast as fp32 on this machine. bf16 is never
+    decoding's ``auto`` (:func:`~aiayn.precision.choose_precision`, which times a decoder
+    step: :func:`aiayn.precision.probe_int8_step`) picks int8 on this machine. bf16 is never
     recorded, however fast: it is not batch-invariant.
 
     Args:
@@ -198,7 +197,7 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
         "identical": share of sentences int8 decodes as fp32 does, "auto": what the probe
         chose}``.
     """
-    from aiayn.precision import BF16_MIN_SPEEDUP, choose_precision
+    from aiayn.precision import choose_precision
     from aiayn.translator import Translator
 
     search = dataclasses.asdict(decode)
@@ -215,7 +214,7 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
     scores = {precision: round(bleu(hyps), 2) for precision, hyps in outputs.items()}
     same = sum(a == b for a, b in zip(outputs["fp32"], outputs["int8"])) / max(1, len(sources))
     loss = scores["fp32"] - scores["int8"]
-    fast = (auto.int8_speedup or 0.0) >= BF16_MIN_SPEEDUP
+    fast = auto.uses_int8  # the one rule, choose_precision's: int8 first where it is faster
     ok = loss <= REDUCED_PRECISION_MAX_BLEU_LOSS
     chosen = "int8" if ok and fast else "fp32"
     why = (f"val BLEU fp32 {scores['fp32']:.2f}, int8 {scores['int8']:.2f} "

@@ -183,8 +183,8 @@ def test_a_packed_product_far_slower_than_int_mm_is_screened_out_in_two_calls(mo
     """Where oneDNN runs its reference code for the packed int8 product (the family-26 EPYC:
     thousands of times slower than ``torch._int_mm``), weight_packed_faster says no after
     one exactness call and one screening call, both on 4 rows: it never runs the 32- or
-    256-row products nor the five rounds. Here the packed product is made slow by a sleep after the
-    real one (the sums stay exact, so only the screen can reject it)."""
+    256-row products nor the five rounds. Here the packed product is made slow by a sleep
+    after the real one (the sums stay exact, so only the screen can reject it)."""
     import time
 
     from aiayn.model import quantize
