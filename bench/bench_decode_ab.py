@@ -31,6 +31,10 @@ def main() -> int:
     p.add_argument("--beam", type=int, default=1, help="1: greedy search")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--dump", metavar="JSON", help="write the output tokens here")
+    p.add_argument("--without", nargs="*", default=[], metavar="LEVER",
+                   help="levers to switch off, to measure one alone: a kernel family of "
+                        "aiayn.model.kernels.KINDS (e.g. softmax), or 'packed' (no map runs "
+                        "over a packed oneDNN weight)")
     args = p.parse_args()
     data = os.environ.get("AIAYN_DATA_DIR")
     if not data:
@@ -61,7 +65,18 @@ def main() -> int:
     model = Transformer(cfg).eval()
     with torch.no_grad():  # peaked next-token distributions, as a trained model has
         model.tgt_embed.weight.mul_(4.0)
+    from aiayn.model import quantize
+
+    for lever in args.without:
+        if lever == "packed":
+            quantize.weight_packed_faster = lambda *shape: False
+        elif lever in kernels.KINDS:
+            kernels.ENABLED.discard(lever)
+        else:
+            p.error(f"--without: unknown lever {lever!r} (packed, or one of "
+                    f"{sorted(kernels.KINDS)})")
     q = quantize_int8(model)
+    packed = sum(m.packed for m in q.modules() if isinstance(m, quantize.Int8Linear))
     sources = encode_sources(vocab, lines, cfg.max_len)
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     batches = [pad_sources([sources[i] for i in order[s : s + args.batch_size]])
@@ -92,7 +107,9 @@ def main() -> int:
             raise SystemExit("the outputs changed between rounds")
         best = min(best, time.process_time() - t)
     print(f"preset={args.preset} beam={args.beam} sentences={len(lines)} "
-          f"batch={args.batch_size}: {len(lines) / best:.1f} sentences/CPU-s")
+          f"batch={args.batch_size} packed maps={packed}"
+          + (f" without {' '.join(args.without)}" if args.without else "")
+          + f": {len(lines) / best:.1f} sentences/CPU-s")
     if args.dump:
         with open(args.dump, "w") as f:
             json.dump(ref, f)

@@ -229,3 +229,56 @@ def test_the_searches_find_the_same_hypotheses_with_the_search_kernels(beam_size
     finally:
         kernels.ENABLED.add("search")
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (7, 130), (32, 5852), (128, 8000)])
+def test_log_softmax_kernel_is_torchs_within_rounding(shape):
+    """The output layer's log-softmax kernel against F.log_softmax, row by row: within a few
+    float32 ulp of the log-sum-exp, with -inf entries (they stay -inf), rows of one repeated
+    value, logits spread over ±80 (exponentials near underflow); a row holding a NaN or an
+    infinite maximum gets torch's answer."""
+    gen = torch.Generator().manual_seed(shape[1])
+    x = torch.randn(shape, generator=gen) * 20
+    if shape[1] > 1:
+        x[0, 0] = float("-inf")
+    if shape[0] > 2:
+        x[1] = 3.0  # uniform: log(1/V) exactly as torch has it, up to rounding
+        x[2, :] = torch.linspace(-80, 80, shape[1])
+    want = torch.log_softmax(x.double(), dim=-1)
+    got = kernels.log_softmax(x)
+    assert got.dtype == torch.float32
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    tol = 4e-7 * (1.0 + want[finite].abs())
+    assert bool(((got.double()[finite] - want[finite]).abs() <= tol).all())
+    torch_f32 = torch.log_softmax(x, dim=-1)
+    assert torch.allclose(got[finite], torch_f32[finite], rtol=1e-6, atol=1e-5)
+    assert torch.equal(kernels.log_softmax(x[None]), got[None])  # any leading shape
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[-1, -1] = bad
+        assert kernels._log_softmax(y.numpy())[1] is False
+        assert torch.allclose(kernels.log_softmax(y), torch.log_softmax(y, dim=-1),
+                              equal_nan=True)
+
+
+@pytest.mark.parametrize("bias, packed", [(True, False), (False, False), (True, True)])
+def test_int8_output_layer_log_softmax_is_its_logits_log_softmax(bias, packed):
+    """Int8Linear.log_softmax (one kernel from the product's sums) against log_softmax of the
+    same map's logits: within float rounding, and the same argmax in every row."""
+    gen = torch.Generator().manual_seed(7)
+    lin = Int8Linear(torch.randn(600, 64, generator=gen),
+                     torch.randn(600, generator=gen) if bias else None)
+    lin._set_packed(packed)
+    x = torch.randn(40, 64, generator=gen) * 3
+    with torch.inference_mode():
+        want = torch.log_softmax(lin(x), dim=-1)
+        got = lin.log_softmax(x)
+        assert torch.allclose(got, want, rtol=1e-6, atol=2e-6)
+        assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+        assert torch.equal(got, kernels.log_softmax(lin(x)))  # the same numbers as a float path
+        kernels.ENABLED.discard("softmax")
+        try:
+            assert torch.equal(lin.log_softmax(x), want)  # torch's own, without the kernels
+        finally:
+            kernels.ENABLED.add("softmax")

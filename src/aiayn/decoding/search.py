@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID
@@ -118,15 +117,26 @@ def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def _log_probs(logits: Tensor, t: int, max_lens: Tensor, min_len: int,
+def _next_log_probs(step: StepFunction, tokens: Tensor) -> Tensor:
+    """float32 (n, V) next-token log-probabilities from ``step``: its own ``log_probs`` where
+    it has one (:class:`CachedStep`: an int8 output layer's one kernel), else the log-softmax
+    of its logits (:func:`aiayn.model.kernels.log_softmax`, the same numbers). Either advances
+    the rows by one position."""
+    own = getattr(step, "log_probs", None)
+    if own is not None:
+        return own(tokens)
+    return kernels.log_softmax(step(tokens))
+
+
+def _log_probs(logp: Tensor, t: int, max_lens: Tensor, min_len: int,
                free_forced_eos: bool = False) -> Tensor:
-    """(n, V) logits -> float32 log-probabilities with the length rules applied.
+    """(n, V) float32 log-probabilities (:func:`_next_log_probs`, modified in place) with the
+    length rules applied.
 
     PAD and BOS are banned; EOS is banned while t < min_len; rows with t >= max_lens may only
     take EOS, at its own log-probability (or at 0 with ``free_forced_eos``, as Hugging Face's
     ``forced_eos_token_id`` does). ``max_lens``: long (n,).
     """
-    logp = F.log_softmax(logits.float(), dim=-1)
     logp[:, PAD_ID] = NEG_INF
     logp[:, BOS_ID] = NEG_INF
     if t < min_len:
@@ -223,7 +233,7 @@ def greedy_search(
     while rows.numel() > 0:
         if stats is not None:
             stats.count(rows.numel())
-        logp = _log_probs(step(tokens), t, lens, min_len)  # (n, V) or (n, V')
+        logp = _log_probs(_next_log_probs(step, tokens), t, lens, min_len)  # (n, V) or V'
         if sampling is None:
             column = _argmax(logp)
         else:
@@ -345,7 +355,8 @@ def beam_search(
         if stats is not None:
             stats.count(last.shape[0])
         row_lens = lens.repeat_interleave(last.shape[0] // n)
-        logp = _log_probs(step(last), t, row_lens, min_len, rules == "hf")  # (n*K or n, V)
+        logp = _log_probs(_next_log_probs(step, last), t, row_lens, min_len,
+                          rules == "hf")  # (n*K or n, V)
         V = logp.shape[-1]
         # on step 0, one row per sentence: its beams 1..K-1 are not alive yet (-inf)
         top, idx = _best_extensions(logp, live, min(2 * K, K * V))  # (n, 2K)
@@ -448,6 +459,13 @@ class CachedStep:
         return self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
                                       projection)[:, -1]  # (n, V) or (n, V')
 
+    def log_probs(self, tokens: Tensor) -> Tensor:
+        """``log_softmax(self(tokens))``, float32 (n, V) or (n, V'): an int8 output layer's in
+        one kernel (:meth:`Transformer.decode_step`'s ``log_probs``)."""
+        projection = None if self.projection is None else self.projection[0]
+        return self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
+                                      projection, log_probs=True)[:, -1]
+
     def select(self, index: Tensor) -> CachedStep:
         """The step for rows ``index``; reorders the cache in place (``select_``), so this
         step must not be called again (the searches never do)."""
@@ -513,7 +531,7 @@ class EnsembleStep:
                              "steps with compact=False (see same_columns)")
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        logp = [F.log_softmax(step(tokens).float(), dim=-1) for step in self.steps]
+        logp = [_next_log_probs(step, tokens) for step in self.steps]
         sizes = {lp.shape[-1] for lp in logp}
         if len(sizes) > 1:
             raise ValueError(f"ensemble members have different vocabulary sizes {sorted(sizes)}")

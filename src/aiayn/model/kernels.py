@@ -346,10 +346,113 @@ def _beam_top(logp, live, k, G, values, index):  # pragma: no cover - compiled
     return True
 
 
+# expf on [-87, 0] in lanes: Cephes' single-precision polynomial (within 1 ulp of exp down to
+# e^-80, measured; nearer the underflow, terms too small to move a sum that holds 1), 2^n
+# made from the exponent's bits. numba's np.exp is one libm call per element, which
+# does not vectorize: 5-10x slower than torch's log_softmax over a row of logits.
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_FLOOR = np.float32(-87.0)  # 2^-125.5: a sum over < 2^20 such terms is < 2^-105 of 1
+_P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(
+    8.3334519073e-3)
+_P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(
+    5.0000001201e-1)
+
+
+@_njit(fastmath={"contract"})
+def _exp_terms(x, m, mant, bits):  # pragma: no cover - compiled
+    # exp(x[c] - m) = mant[c] * 2^n, 2^n's float bits in bits[c] (scratch rows of x's length).
+    # 'contract' only (fused multiply-adds): reassociation would fold the rounding trick's
+    # (y + magic) - magic into y.
+    magic = np.float32(12582912.0)
+    for c in range(x.shape[0]):
+        d = x[c] - m
+        d = d if d > _EXP_FLOOR else _EXP_FLOOR
+        n = (d * _LOG2E + magic) - magic  # round to nearest: d = n ln2 + r, |r| <= ln2 / 2
+        r = (d - n * _LN2_HI) - n * _LN2_LO
+        p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
+        mant[c] = (p * r) * r + r + np.float32(1.0)
+        bits[c] = (np.int32(n) + np.int32(127)) << np.int32(23)  # 2^n, n in [-126, 0]
+
+
+@_njit(fastmath={"reassoc"})
+def _dot(a, b):  # pragma: no cover - compiled
+    # sum of a[c] * b[c], in lanes ('reassoc': the order of the additions is the vector
+    # width's, as in torch's own log_softmax)
+    s = np.float32(0.0)
+    for c in range(a.shape[0]):
+        s += a[c] * b[c]
+    return s
+
+
+@_njit()
+def _sum_exp(x, m, mant, bits):  # pragma: no cover - compiled
+    # sum of exp(x[c] - m) over a float32 row whose largest entry is m (finite)
+    _exp_terms(x, m, mant, bits)
+    return _dot(mant, bits.view(np.float32))
+
+
+@_njit()
+def _log_softmax_row(y, out, mant, bits):  # pragma: no cover - compiled
+    # out = y - max(y) - log(sum exp(y - max(y))) for one float32 row; False on a NaN or an
+    # infinite maximum (the caller then asks torch)
+    V = y.shape[0]
+    top, low = _key_range(y.view(np.int32), 0, V)
+    if _has_nan(top, low) or top >= _KEY_INF or top <= -_KEY_INF - np.int32(1):
+        return False  # a NaN, or an infinite maximum
+    key = np.empty(1, np.int32)
+    key[0] = _order_key(top)
+    m = key.view(np.float32)[0]
+    lse = np.float32(np.log(_sum_exp(y, m, mant, bits)))
+    for c in range(V):
+        out[c] = (y[c] - m) - lse
+    return True
+
+
+@_njit()
+def _rescale_log_softmax(acc, x_scale, w_scale, bias, has_bias):  # pragma: no cover
+    # log_softmax over each row of an int8 map's output, from its exact sums: the rescaling
+    # of _rescale (the same logits) into a scratch row that stays in cache, then max, sum of
+    # exponentials and the output in one more pass; the logits are never written out.
+    # Returns (out (M, O) float32, ok): ok False where a row held a NaN or an infinity.
+    M, n_out = acc.shape
+    out = np.empty((M, n_out), np.float32)
+    y = np.empty(n_out, np.float32)
+    mant = np.empty(n_out, np.float32)
+    bits = np.empty(n_out, np.int32)
+    for r in range(M):
+        sx = x_scale[r, 0]
+        ar = acc[r]
+        if has_bias:
+            for o in range(n_out):
+                y[o] = (np.float32(ar[o]) * sx) * w_scale[o] + bias[o]
+        else:
+            for o in range(n_out):
+                y[o] = (np.float32(ar[o]) * sx) * w_scale[o]
+        if not _log_softmax_row(y, out[r], mant, bits):
+            return out, False
+    return out, True
+
+
+@_njit()
+def _log_softmax(x):  # pragma: no cover - compiled
+    # log_softmax over each row of a float32 (M, V) x; (out, ok) as _rescale_log_softmax
+    M, V = x.shape
+    out = np.empty((M, V), np.float32)
+    mant = np.empty(V, np.float32)
+    bits = np.empty(V, np.int32)
+    for r in range(M):
+        if not _log_softmax_row(x[r], out[r], mant, bits):
+            return out, False
+    return out, True
+
+
 #: The kernel families in use: "attention" (:func:`attend`), "int8" (:func:`quantize_rows`,
-#: :func:`rescale`) and "search" (:func:`row_argmax`, :func:`beam_top`). Benchmarks remove one
-#: to measure what it gains.
-KINDS = frozenset({"attention", "int8", "search"})
+#: :func:`rescale`), "search" (:func:`row_argmax`, :func:`beam_top`) and "softmax"
+#: (:func:`rescale_log_softmax`, the output layer's). Benchmarks remove one to measure what it
+#: gains.
+KINDS = frozenset({"attention", "int8", "search", "softmax"})
 ENABLED = set(KINDS) if AVAILABLE else set()
 
 
@@ -443,6 +546,36 @@ def int8_linear(rows: Tensor, levels: int, product, w_scale: np.ndarray, bias: n
     return torch.from_numpy(_rescale(acc.numpy(), x_scale, w_scale, bias, has_bias, relu))
 
 
+def rescale_log_softmax(rows: Tensor, levels: int, product, w_scale: np.ndarray,
+                        bias: np.ndarray, has_bias: bool) -> Tensor | None:
+    """``log_softmax(int8_linear(rows, ...), dim=-1)`` (:func:`int8_linear`'s arguments, no
+    relu): float32 (M, O) log-probabilities, the rescaled logits kept one row at a time in
+    cache and never written out. Each row is ``(y - max y) - log(sum exp(y - max y))``, as
+    torch computes it, with the exponentials from a polynomial that runs in lanes (within 2 ulp
+    of expf; torch's own differ between CPU classes likewise): within float rounding of
+    ``F.log_softmax``, row by row, whatever the batch. None where a row's logits hold a NaN or
+    an infinite maximum (the caller then asks torch)."""
+    x8, x_scale = _quantize_rows(rows.contiguous().numpy(), levels)
+    acc = product(torch.from_numpy(x8))
+    out, ok = _rescale_log_softmax(acc.numpy(), x_scale, w_scale, bias, has_bias)
+    return torch.from_numpy(out) if ok else None
+
+
+def log_softmax(x: Tensor) -> Tensor:
+    """``F.log_softmax(x.float(), dim=-1)`` for logits x (..., V): float32 (..., V). In one
+    kernel where the "softmax" kernels run on it (float32 on the CPU, no gradient; the same
+    numbers as :func:`rescale_log_softmax` gives from the sums of the same logits), else, and
+    for a row holding a NaN or an infinite maximum, torch's. The one log-softmax of decoding:
+    every search and step function reaches it, so a path through an int8 output layer's kernel
+    and one through its logits give the same numbers."""
+    x = x.float()
+    if x.dim() >= 1 and x.numel() and usable(x, kind="softmax"):
+        out, ok = _log_softmax(x.reshape(-1, x.shape[-1]).contiguous().numpy())
+        if ok:
+            return torch.from_numpy(out).view(x.shape)
+    return torch.log_softmax(x, dim=-1)
+
+
 def row_argmax(x: Tensor) -> Tensor | None:
     """``x.argmax(dim=1)`` of a float32 (M, V) ``x``: long (M,), each row's first column of its
     maximum, as torch gives it, in two vectorized integer passes instead of torch's scalar
@@ -499,6 +632,11 @@ def warm_up() -> None:
                 for acc in (torch.int32, torch.float32):
                     rescale(torch.ones(2, 3, dtype=acc), s, torch.ones(3), bias, relu)
         row_argmax(torch.zeros(2, 3))
+        _log_softmax(np.zeros((2, 3), np.float32))
+        for acc in (np.ones((2, 3), np.int32), np.ones((2, 3), np.float32)):
+            for has_bias in (True, False):
+                _rescale_log_softmax(acc, np.ones((2, 1), np.float32), np.ones(3, np.float32),
+                                     np.ones(3, np.float32), has_bias)
         beam_top(torch.zeros(4, 3), torch.zeros(2, 2), 2)
         # the fused int8 step's kernels (aiayn.model.fused), over int32 and float32 sums
         x8, xs = _quantize_rows(np.ones((2, 4), np.float32), 127)
@@ -516,6 +654,7 @@ def warm_up() -> None:
                                  np.zeros((2, 3), np.int64), np.float32(0.5), 127)
 
 
-__all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "int8_linear",
-           "prefix_lengths", "quantize_rows", "rescale", "row_argmax", "usable", "warm_up"]
+__all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "int8_linear", "log_softmax",
+           "prefix_lengths", "quantize_rows", "rescale", "rescale_log_softmax", "row_argmax",
+           "usable", "warm_up"]
 

@@ -271,6 +271,23 @@ class Int8Linear(nn.Module):
             y.clamp_(min=0.0)
         return y.view(*shape[:-1], self.out_features)
 
+    def log_softmax(self, x: Tensor) -> Tensor:
+        """``kernels.log_softmax(self(x))`` for x (..., in_features) float: float32 (...,
+        out_features), log-probabilities. Where the int8 kernels run, in one pass from the
+        product's sums (:func:`aiayn.model.kernels.rescale_log_softmax`): the logits are never
+        written out, and the numbers are :func:`aiayn.model.kernels.log_softmax`'s of the
+        same logits (torch's within float rounding: its exponentials are a polynomial's). The
+        output layer of decoding (:meth:`aiayn.model.Transformer.decode_step`)."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        if kernels.usable(rows, kind="softmax") and kernels.usable(rows, kind="int8"):
+            y = kernels.rescale_log_softmax(rows, 127, self._product, *self._arrays())
+            if y is not None:
+                return y.view(*shape[:-1], self.out_features)
+        return kernels.log_softmax(self(rows)).view(*shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8 weights and activations"

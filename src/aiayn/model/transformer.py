@@ -670,7 +670,7 @@ class Transformer(nn.Module):
                                   gather=gather)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache, compact: bool = False,
-                    projection: nn.Module | None = None) -> Tensor:
+                    projection: nn.Module | None = None, log_probs: bool = False) -> Tensor:
         """Logits for the position after ``tokens``, reusing and extending ``cache``.
 
         Args:
@@ -681,6 +681,10 @@ class Transformer(nn.Module):
                 column j is token ``step_token_ids[j]`` (see :meth:`output_token_ids`).
             projection: score with this map instead (an :meth:`output_map`: a shortlist's
                 columns); it wins over ``compact``.
+            log_probs: return float32 log-probabilities over the columns instead, the
+                log-softmax of the logits (:func:`aiayn.model.kernels.log_softmax`), from an
+                int8 output map in one kernel
+                (:meth:`aiayn.model.quantize.Int8Linear.log_softmax`).
 
         Returns:
             logits (B, t_new, V_tgt), (B, t_new, V') with ``compact`` where
@@ -702,11 +706,17 @@ class Transformer(nn.Module):
         cache.advance(tokens.shape[1])
         if projection is None and compact:
             projection = self.step_projection
-        if projection is not None:
-            if self.decoder_norm is not None:
-                x = self.decoder_norm(x)
-            return projection(x)
-        return self.project(x)
+        if projection is None and self.output_projection is not None:
+            projection = self.output_projection
+        if projection is None:
+            logits = self.project(x)
+            return kernels.log_softmax(logits) if log_probs else logits
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        if log_probs:
+            fused = getattr(projection, "log_softmax", None)  # an int8 map's one kernel
+            return fused(x) if fused is not None else kernels.log_softmax(projection(x))
+        return projection(x)
 
 
 class OutputRows(nn.Module):
