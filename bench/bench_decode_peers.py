@@ -27,8 +27,10 @@ With ``--device cuda`` every system runs on the GPU (aiayn int8, a CPU path, and
 CTranslate2's ISA variants left out). On a CPU without AVX-512 the AVX512 variant is skipped (it
 would die of an illegal instruction); on a simulated AVX2 class CTranslate2 runs with
 ``CT2_FORCE_CPU_ISA=AVX2`` (its own kernels held to AVX2, as its oneDNN products are by
-``ONEDNN_MAX_CPU_ISA``); and on a CPU without native bf16 the bf16 systems are skipped
-(emulated bf16 runs 5-45x slower than fp32 there).
+``ONEDNN_MAX_CPU_ISA``; aiayn's numba kernels compile for the host CPU unless
+``NUMBA_CPU_NAME=znver3`` holds them to AVX2 too, which a faithful simulation sets); and on a
+CPU without native bf16 the bf16 systems are skipped (emulated bf16 runs 5-45x slower than
+fp32 there).
 
 With ``--threads T`` >= 2, each engine also runs at its own best layout for T cores:
 CTranslate2 int8 with ``inter_threads=T, intra_threads=1`` (T one-thread translators over one
@@ -249,7 +251,11 @@ def main() -> int:
             else "cpu", "cpu_capability": capability,
             "cpu_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "cpu_class": _cpu_class(torch),
+            "numba_cpu": os.environ.get("NUMBA_CPU_NAME") or "host",
             "note": "measured on a shared 2-core machine: compare ratios within one run"}
+    if "simulated" in info["cpu_class"] and not os.environ.get("NUMBA_CPU_NAME"):
+        print("note: aiayn's numba kernels compile for this CPU whatever torch is held to; "
+              "set NUMBA_CPU_NAME=znver3 (or haswell) to hold them to AVX2 too", flush=True)
     try:
         import ctranslate2
         import transformers
