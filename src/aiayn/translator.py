@@ -279,11 +279,10 @@ class Translator:
         """
         import math
 
-        import torch.nn.functional as F
-
         from aiayn.data.batching import pad_sources
         from aiayn.data.vocab import PAD_ID
         from aiayn.decoding import encode_sources
+        from aiayn.model import kernels
 
         if len(sources) != len(targets):
             raise ValueError(f"score: {len(sources)} sources but {len(targets)} targets")
@@ -303,7 +302,8 @@ class Translator:
             tgt_in = torch.cat([torch.full_like(tgt_out[:, :1], self.decoder_start_id),
                                 tgt_out[:, :-1]], dim=1)
             with self._autocast(), self._eval():
-                logps = [F.log_softmax(m(src, tgt_in).float(), dim=-1) for m in self.models]
+                # decoding's one log-softmax (the searches' own; torch's under autocast)
+                logps = [kernels.log_softmax(m(src, tgt_in)) for m in self.models]
             logp = logps[0] if len(logps) == 1 else \
                 torch.logsumexp(torch.stack(logps), dim=0) - math.log(len(logps))
             token = logp.gather(2, tgt_out[:, :, None]).squeeze(2)  # (B, T)
