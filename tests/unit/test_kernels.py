@@ -265,7 +265,8 @@ def test_log_softmax_kernel_is_torchs_within_rounding(shape):
 @pytest.mark.parametrize("bias, packed", [(True, False), (False, False), (True, True)])
 def test_int8_output_layer_log_softmax_is_its_logits_log_softmax(bias, packed):
     """Int8Linear.log_softmax (one kernel from the product's sums) against log_softmax of the
-    same map's logits: within float rounding, and the same argmax in every row."""
+    same map's logits: within float rounding, and the same argmax in every row whose top two
+    logits are clearly apart (two float paths may order a near-tie differently)."""
     gen = torch.Generator().manual_seed(7)
     lin = Int8Linear(torch.randn(600, 64, generator=gen),
                      torch.randn(600, generator=gen) if bias else None)
@@ -275,7 +276,10 @@ def test_int8_output_layer_log_softmax_is_its_logits_log_softmax(bias, packed):
         want = torch.log_softmax(lin(x), dim=-1)
         got = lin.log_softmax(x)
         assert torch.allclose(got, want, rtol=1e-6, atol=2e-6)
-        assert torch.equal(got.argmax(dim=-1), want.argmax(dim=-1))
+        top2 = want.topk(2, dim=-1).values
+        clear = top2[:, 0] - top2[:, 1] > 1e-4
+        assert int(clear.sum()) > 30  # the check below covers most rows
+        assert torch.equal(got.argmax(dim=-1)[clear], want.argmax(dim=-1)[clear])
         assert torch.equal(got, kernels.log_softmax(lin(x)))  # the same numbers as a float path
         kernels.ENABLED.discard("softmax")
         try:
