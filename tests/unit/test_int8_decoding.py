@@ -312,3 +312,46 @@ def test_the_fused_int8_step_leaves_recording_to_the_layers():
             attn.record_weights = False
     assert q.int8_step.steps == 1 and attn.weights is not None
     assert step.cache.length == 2
+
+
+def test_the_fused_int8_encoder_gives_the_layers_numbers_at_every_real_position(model):
+    """FusedInt8Encoder runs the encoder over the real tokens only: at every real position the
+    memory is the layers' own, bit for bit, for sentences of different lengths (padding
+    between them in the batch), and the searches' tokens and scores follow unchanged."""
+    q = quantize_int8(model)
+    fused = q.int8_encoder
+    assert fused is not None
+    lens = torch.tensor([7, 3, 12, 5])
+
+    def encode_and_search():
+        with torch.no_grad():
+            memory, mask = encode_src(q, SOURCES)
+            step = CachedStep.start(q, memory, mask, int(lens.max()) + 1)
+            hyps = [(h.tokens, h.score) for hs in beam_search(step, lens, beam_size=3, nbest=3)
+                    for h in hs]
+        return memory, mask, hyps
+
+    before = fused.calls
+    memory, mask, hyps = encode_and_search()
+    assert fused.calls == before + 1  # it ran
+    assert not mask.all()  # the batch holds padding
+    assert torch.equal(memory[~mask], torch.zeros_like(memory[~mask]))
+    q.int8_encoder = None  # the layers' own modules
+    try:
+        ref_memory, ref_mask, ref_hyps = encode_and_search()
+    finally:
+        q.int8_encoder = fused
+    assert torch.equal(mask, ref_mask)
+    assert torch.equal(memory[mask], ref_memory[mask])
+    assert hyps == ref_hyps
+
+
+def test_the_fused_int8_encoder_leaves_recording_to_the_layers():
+    """Recording the encoder's attention weights needs the layers' modules: the fused
+    encoder steps aside."""
+    q = quantize_int8(tiny_model(60, seed=3))
+    attn = q.encoder[0].self_attn
+    attn.record_weights = True
+    with torch.no_grad():
+        encode_src(q, SOURCES)
+    assert q.int8_encoder.calls == 0 and attn.weights is not None

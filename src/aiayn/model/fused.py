@@ -122,6 +122,97 @@ class FusedInt8Step:
         return torch.from_numpy(xs).view(n, 1, d)
 
 
+class FusedInt8Encoder:
+    """The encoder stack of an int8 copy (:func:`aiayn.model.quantize.quantize_int8`) over the
+    batch's real tokens only: x (B, S, d_model) embedded -> memory (B, S, d_model).
+
+    The real tokens of a right-padded batch are packed into one (n, d_model) block, so no map
+    runs over padding, and each sub-layer is the few calls of :class:`FusedInt8Step`: quantize,
+    the product, one kernel for rescaling and attention over each token's own sentence
+    (:func:`aiayn.model.kernels._encoder_attention`), the W^O product with the residual in one
+    kernel, LayerNorm (torch's own, §3.1); the FFN as in the decoder step. Every real
+    position's numbers are the module path's bit for bit (each token's attention runs over its
+    own sentence in the same kernel, and every other pass is per row); padding positions of
+    the memory are zeros, which no reader sees (the attention kernels stop at each sentence's
+    length). Where it does not apply (see :meth:`run`) the module path runs.
+
+    Args:
+        model: the int8 :class:`~aiayn.model.Transformer`; every encoder layer has an int8
+            ``W_qkv``, int8 maps elsewhere, and its FFN's relu inside ``W_1`` (the caller,
+            ``quantize_int8``, checks).
+    """
+
+    def __init__(self, model) -> None:
+        cfg = model.config
+        self.layers = list(model.encoder)
+        self.final_norm = model.encoder_norm
+        self.h, self.d_k, self.d_v, self.d_model = cfg.h, cfg.d_k, cfg.d_v, cfg.d_model
+        self.pre_norm = cfg.norm == "pre"
+        self.scale = np.float32(cfg.d_k**-0.5)
+        self.calls = 0  # batches encoded here (the module path encoded the others)
+
+    def run(self, x: Tensor, key_len: Tensor) -> Tensor | None:
+        """The encoder layers over a right-padded batch.
+
+        Args:
+            x: float32 (B, S, d_model), the embedded sources (positions added).
+            key_len: long (B,), each sentence's real tokens, a prefix of its row
+                (:func:`aiayn.model.kernels.prefix_lengths`).
+
+        Returns:
+            float32 (B, S, d_model), zeros at padding; or None where this path does not apply
+            (the kernels cannot run on x, or attention is being recorded).
+        """
+        if not kernels.usable(x, kind="int8") or not kernels.usable(x):
+            return None
+        for layer in self.layers:
+            if layer.self_attn.record_weights:
+                return None
+        B, S, d = x.shape
+        lengths = key_len.numpy()
+        starts = np.zeros(B, np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        # row r of the block is token r - starts[b] of sentence b; its keys are rows
+        # starts[b] .. starts[b] + lengths[b] - 1
+        sentence = np.repeat(np.arange(B), lengths)
+        first = starts[sentence]
+        key_rows = first[:, None] + np.arange(max(S, 1))[None, :]
+        row_len = lengths[sentence]
+        real = (torch.arange(S)[None, :] < key_len[:, None]).reshape(-1)
+        xs = x.reshape(B * S, d)[real].numpy()  # (n, d), a fresh copy
+        H, Dk, Dv, scale, pre = self.h, self.d_k, self.d_v, self.scale, self.pre_norm
+        quantize = kernels._quantize_rows
+        norm = self._layer_norm
+        for layer in self.layers:
+            attn, res = layer.self_attn, layer.res_attn
+            x8, sx = quantize(norm(res.norm, xs) if pre else xs, 127)
+            lin = attn.W_qkv
+            a8, sa = kernels._encoder_attention(
+                lin._product(torch.from_numpy(x8)).numpy(), sx, *lin._arrays(), H, Dk, Dv,
+                key_rows, row_len, scale, 127)
+            xs = _output(attn.W_o, a8, sa, xs)
+            if not pre:
+                xs = norm(res.norm, xs)
+            ffn, res = layer.ffn, layer.res_ffn
+            x8, sx = quantize(norm(res.norm, xs) if pre else xs, 127)
+            lin = ffn.W_1
+            h8, sh = kernels._rescale_quantize(lin._product(torch.from_numpy(x8)).numpy(), sx,
+                                               *lin._arrays(), lin.relu, 127)
+            xs = _output(ffn.W_2, h8, sh, xs)
+            if not pre:
+                xs = norm(res.norm, xs)
+        if self.final_norm is not None:
+            xs = norm(self.final_norm, xs)
+        memory = x.new_zeros(B * S, d)
+        memory[real] = torch.from_numpy(xs)
+        self.calls += 1
+        return memory.view(B, S, d)
+
+    def _layer_norm(self, norm, x: np.ndarray) -> np.ndarray:
+        y = F.layer_norm(torch.from_numpy(x), (self.d_model,), norm.weight, norm.bias, norm.eps)
+        return y.numpy()
+
+
 def _output(lin, x8: np.ndarray, x_scale: np.ndarray, resid: np.ndarray) -> np.ndarray:
     """``resid + lin(x)`` from the int8 rows of x: a sub-layer's output map and its residual."""
     return kernels._rescale_add(lin._product(torch.from_numpy(x8)).numpy(), x_scale,
@@ -161,4 +252,4 @@ def _cross(scratch: dict, cache: DecoderCache, layer: int
     return known[2], known[3], known[4]
 
 
-__all__ = ["FusedInt8Step"]
+__all__ = ["FusedInt8Encoder", "FusedInt8Step"]

@@ -232,6 +232,26 @@ def _cross_attention_step(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, k, v
     return _quantize_rows(out.reshape(n, H * Dv), levels)
 
 
+@_njit()
+def _encoder_attention(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, key_rows, key_len,
+                       scale, levels):  # pragma: no cover - compiled
+    # Encoder self-attention over the real tokens of a batch packed into n rows (no padding),
+    # after the W^QKV product: rescale the sums (n, H * (2 Dk + Dv)), attend from each token
+    # over its own sentence's tokens (key j of row r is row key_rows[r, j], key_len[r] of
+    # them), and quantize the output (n, H * Dv) for W^O. The same calls as the module path
+    # over the padded batch, so the same numbers.
+    n = acc.shape[0]
+    qkv = _rescale(acc, x_scale, w_scale, bias, has_bias, False)
+    width = qkv.shape[1]
+    at = np.empty(13, np.int64)
+    at[0], at[1], at[2], at[3] = 0, width, width, Dk
+    at[4], at[5], at[6], at[7], at[8] = H * Dk, width, Dk, 0, key_rows.shape[1]
+    at[9], at[10], at[11], at[12] = 2 * H * Dk, width, Dv, 0
+    flat = qkv.reshape(n * width)
+    out = _attend(flat, flat, flat, at, n, 1, H, Dk, Dv, key_len, 1, -1, scale, key_rows)
+    return _quantize_rows(out.reshape(n, H * Dv), levels)
+
+
 _KEY_MIN = np.int32(-2147483648)
 _KEY_INF = np.int32(0x7F800000)  # the order key of +inf; -inf's is -_KEY_INF - 1
 
@@ -663,6 +683,8 @@ def warm_up() -> None:
             buf = np.zeros((2, 1, 3, 4), np.float32)
             _self_attention_step(acc3, xs, w3, w3, True, 1, 4, 4, buf, buf.copy(), 0,
                                  np.zeros((2, 3), np.int64), np.float32(0.5), 127)
+            _encoder_attention(acc3, xs, w3, w3, True, 1, 4, 4, np.zeros((2, 2), np.int64),
+                               np.ones(2, np.int64), np.float32(0.5), 127)
 
 
 __all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "int8_linear", "log_softmax",

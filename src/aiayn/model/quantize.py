@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.model import kernels
-from aiayn.model.fused import FusedInt8Step
+from aiayn.model.fused import FusedInt8Encoder, FusedInt8Step
 from aiayn.model.transformer import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 
 
@@ -344,6 +344,8 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
             ffn.activation = _identity
     if fuse_qkv and _fusable(q):
         q.int8_step = FusedInt8Step(q)
+    if fuse_qkv and _fusable(q, encoder=True):
+        q.int8_encoder = FusedInt8Encoder(q)
     q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     ids = None if step_fixed_ids is None else q.output_token_ids(step_fixed_ids)
     if ids is not None:
@@ -356,14 +358,16 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
-def _fusable(q: nn.Module) -> bool:
-    """Whether :class:`~aiayn.model.fused.FusedInt8Step` runs ``q``'s decoder: every map int8,
+def _fusable(q: nn.Module, encoder: bool = False) -> bool:
+    """Whether :class:`~aiayn.model.fused.FusedInt8Step` runs ``q``'s decoder (or, with
+    ``encoder``, :class:`~aiayn.model.fused.FusedInt8Encoder` its encoder): every map int8,
     W^Q, W^K and W^V fused, the FFN's relu inside W_1, and no attention window."""
     if q.config.attention_window is not None:
         return False
-    for layer in q.decoder:
-        maps = (layer.self_attn.W_qkv, layer.self_attn.W_o, layer.cross_attn.W_q,
-                layer.cross_attn.W_o, layer.ffn.W_1, layer.ffn.W_2)
+    for layer in q.encoder if encoder else q.decoder:
+        maps = (layer.self_attn.W_qkv, layer.self_attn.W_o, layer.ffn.W_1, layer.ffn.W_2)
+        if not encoder:
+            maps += (layer.cross_attn.W_q, layer.cross_attn.W_o)
         if (not all(isinstance(m, Int8Linear) for m in maps) or not layer.ffn.W_1.relu
                 or layer.ffn.activation is not _identity):
             return False

@@ -476,6 +476,9 @@ class Transformer(nn.Module):
         # decode_step's layers as one fused int8 step (aiayn.model.fused.FusedInt8Step), or
         # None: the layers' own modules. Set by quantize_int8.
         self.int8_step = None
+        # encode's layers over the real tokens only, fused likewise
+        # (aiayn.model.fused.FusedInt8Encoder), or None. Set by quantize_int8.
+        self.int8_encoder = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -603,6 +606,10 @@ class Transformer(nn.Module):
         key_len = None
         if self.config.attention_window is None and not self.training and kernels.usable(x):
             key_len = kernels.prefix_lengths(src_mask)  # None unless right-padded
+        if key_len is not None and self.int8_encoder is not None:
+            memory = self.int8_encoder.run(x, key_len)
+            if memory is not None:  # the real positions' numbers, in fewer operations
+                return memory, src_mask
         for layer in self.encoder:
             x = layer(x, attn_mask, key_len)
         if self.encoder_norm is not None:
