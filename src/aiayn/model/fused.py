@@ -1,4 +1,5 @@
-"""One int8 decoding step through the decoder stack with the fewest Python-level operations.
+"""One int8 decoding step through the decoder stack, and the int8 encoder over a batch's real
+tokens, each with the fewest Python-level operations.
 
 After round 4's kernels, an int8 decoding step on the CPU spent more time returning to Python
 between its maps than in them: each :class:`~aiayn.model.quantize.Int8Linear` call, each
@@ -23,6 +24,10 @@ module path would run the CPU kernels: float32 on the CPU, no gradients, a gathe
 :class:`~aiayn.model.DecoderCache`, right-padded sources, one new position per row, no
 attention being recorded. Anywhere else :meth:`FusedInt8Step.run` returns None before it
 touches the cache, and the module path runs.
+
+:class:`FusedInt8Encoder` runs the encoder stack the same way, over the real tokens of a
+right-padded batch packed into one block, so no map runs over padding: 23% less time to encode
+a ``base`` batch of 32 sentences, 4% for ``multi30k`` (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
