@@ -286,3 +286,32 @@ def test_int8_output_layer_log_softmax_is_its_logits_log_softmax(bias, packed):
             assert torch.equal(lin.log_softmax(x), want)  # torch's own, without the kernels
         finally:
             kernels.ENABLED.add("softmax")
+
+
+def test_layer_norm_kernel_is_torchs_within_rounding_and_row_by_row():
+    """kernels.layer_norm is F.layer_norm within float rounding; a row's output does not depend
+    on the rows beside it; the post-norm sub-layer kernel (rescale, residual, LayerNorm in one
+    pass) gives rescale + residual, then the LayerNorm kernel, bit for bit."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(4)
+    for d in (8, 256, 513):
+        x = torch.randn(37, d, generator=gen) * 3 + 1
+        w, b = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+        with torch.no_grad():
+            got = kernels.layer_norm(x, w.numpy(), b.numpy(), 1e-6)
+            want = torch.nn.functional.layer_norm(x.double(), (d,), w.double(), b.double(), 1e-6)
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+            alone = torch.cat([kernels.layer_norm(x[i:i + 1], w.numpy(), b.numpy(), 1e-6)
+                               for i in range(5)])
+            assert torch.equal(alone, got[:5])
+    acc = torch.randint(-3000, 3000, (6, 16), dtype=torch.int32, generator=gen).numpy()
+    x_scale = torch.rand(6, 1, generator=gen).numpy()
+    w_scale, bias = torch.rand(16, generator=gen).numpy(), torch.randn(16, generator=gen).numpy()
+    resid = torch.randn(6, 16, generator=gen).numpy()
+    g, beta = torch.randn(16, generator=gen).numpy(), torch.randn(16, generator=gen).numpy()
+    eps = np.float32(1e-5)
+    fused = kernels._rescale_add_norm(acc, x_scale, w_scale, bias, True, resid, g, beta, eps)
+    two = kernels._layer_norm(kernels._rescale_add(acc, x_scale, w_scale, bias, True, resid),
+                              g, beta, eps)
+    assert np.array_equal(fused, two)

@@ -11,13 +11,14 @@ step's working set evicts the interpreter's data, so each costs 2-3x what it cos
 - self-attention: quantize its input; the W^QKV product; one kernel that rescales the sums,
   writes the new keys and values into the cache's buffers, attends and quantizes the output
   (:func:`aiayn.model.kernels._self_attention_step`); the W^O product; one kernel for the
-  rescaling and the residual; LayerNorm (torch's own, §3.1);
+  rescaling, the residual and (post-norm) the LayerNorm (§3.1; the "norm" kernel, as the module
+  path's :class:`~aiayn.model.quantize.KernelLayerNorm` runs it);
 - encoder-decoder attention: the same, the queries' rescaling, attention and quantization in
   one kernel;
 - FFN: quantize, the W_1 product, one kernel for rescaling, relu and quantization, the W_2
   product, rescaling with the residual, LayerNorm.
 
-Every number is the module path's, bit for bit: the same kernels in the same order, torch's
+Every number is the module path's, bit for bit: the same kernels in the same order, the same
 LayerNorm and products, and float additions that round alike
 (``tests/unit/test_int8_decoding.py`` compares the logits of every step). It runs where the
 module path would run the CPU kernels: float32 on the CPU, no gradients, a gathering
@@ -59,10 +60,6 @@ class FusedInt8Step:
         self.scale = np.float32(cfg.d_k**-0.5)  # kernels.attend's default scale
         self.steps = 0  # steps run here (the module path ran the others)
 
-    def _layer_norm(self, norm, x: np.ndarray) -> np.ndarray:
-        y = F.layer_norm(torch.from_numpy(x), (self.d_model,), norm.weight, norm.bias, norm.eps)
-        return y.numpy()
-
     def run(self, x: Tensor, cache: DecoderCache, cross_len: Tensor | None) -> Tensor | None:
         """The decoder layers for one new position per row, extending ``cache``.
 
@@ -94,35 +91,29 @@ class FusedInt8Step:
         for i, layer in enumerate(self.layers):
             # masked self-attention (§3.2.3) over the cache, then the residual (§5.4)
             attn, res = layer.self_attn, layer.res_self
-            x8, sx = quantize(self._layer_norm(res.norm, xs) if pre else xs, 127)
+            x8, sx = quantize(_layer_norm(res.norm, xs) if pre else xs, 127)
             lin = attn.W_qkv
             kb, vb = _buffers(scratch, cache, i)
             a8, sa = kernels._self_attention_step(
                 lin._product(torch.from_numpy(x8)).numpy(), sx, *lin._arrays(), H, Dk, Dv,
                 kb, vb, pos, rows, scale, 127)
-            xs = _output(attn.W_o, a8, sa, xs)
-            if not pre:
-                xs = self._layer_norm(res.norm, xs)
+            xs = _output(attn.W_o, a8, sa, xs, None if pre else res.norm)
             # encoder-decoder attention over this layer's cached encoder keys and values
             attn, res = layer.cross_attn, layer.res_cross
-            x8, sx = quantize(self._layer_norm(res.norm, xs) if pre else xs, 127)
+            x8, sx = quantize(_layer_norm(res.norm, xs) if pre else xs, 127)
             lin = attn.W_q
             k, v, kv_at = _cross(scratch, cache, i)
             a8, sa = kernels._cross_attention_step(
                 lin._product(torch.from_numpy(x8)).numpy(), sx, *lin._arrays(), H, Dk, Dv,
                 k, v, kv_at, key_len, group, scale, kernels._NO_ROWS, 127)
-            xs = _output(attn.W_o, a8, sa, xs)
-            if not pre:
-                xs = self._layer_norm(res.norm, xs)
+            xs = _output(attn.W_o, a8, sa, xs, None if pre else res.norm)
             # FFN (§3.3): relu inside W_1's rescaling
             ffn, res = layer.ffn, layer.res_ffn
-            x8, sx = quantize(self._layer_norm(res.norm, xs) if pre else xs, 127)
+            x8, sx = quantize(_layer_norm(res.norm, xs) if pre else xs, 127)
             lin = ffn.W_1
             h8, sh = kernels._rescale_quantize(lin._product(torch.from_numpy(x8)).numpy(), sx,
                                                *lin._arrays(), lin.relu, 127)
-            xs = _output(ffn.W_2, h8, sh, xs)
-            if not pre:
-                xs = self._layer_norm(res.norm, xs)
+            xs = _output(ffn.W_2, h8, sh, xs, None if pre else res.norm)
         self.steps += 1
         return torch.from_numpy(xs).view(n, 1, d)
 
@@ -135,7 +126,7 @@ class FusedInt8Encoder:
     runs over padding, and each sub-layer is the few calls of :class:`FusedInt8Step`: quantize,
     the product, one kernel for rescaling and attention over each token's own sentence
     (:func:`aiayn.model.kernels._encoder_attention`), the W^O product with the residual in one
-    kernel, LayerNorm (torch's own, §3.1); the FFN as in the decoder step. Every real
+    kernel with the LayerNorm (§3.1); the FFN as in the decoder step. Every real
     position's numbers are the module path's bit for bit (each token's attention runs over its
     own sentence in the same kernel, and every other pass is per row); padding positions of
     the memory are zeros, which no reader sees (the attention kernels stop at each sentence's
@@ -187,41 +178,53 @@ class FusedInt8Encoder:
         xs = x.reshape(B * S, d)[real].numpy()  # (n, d), a fresh copy
         H, Dk, Dv, scale, pre = self.h, self.d_k, self.d_v, self.scale, self.pre_norm
         quantize = kernels._quantize_rows
-        norm = self._layer_norm
         for layer in self.layers:
             attn, res = layer.self_attn, layer.res_attn
-            x8, sx = quantize(norm(res.norm, xs) if pre else xs, 127)
+            x8, sx = quantize(_layer_norm(res.norm, xs) if pre else xs, 127)
             lin = attn.W_qkv
             a8, sa = kernels._encoder_attention(
                 lin._product(torch.from_numpy(x8)).numpy(), sx, *lin._arrays(), H, Dk, Dv,
                 key_rows, row_len, scale, 127)
-            xs = _output(attn.W_o, a8, sa, xs)
-            if not pre:
-                xs = norm(res.norm, xs)
+            xs = _output(attn.W_o, a8, sa, xs, None if pre else res.norm)
             ffn, res = layer.ffn, layer.res_ffn
-            x8, sx = quantize(norm(res.norm, xs) if pre else xs, 127)
+            x8, sx = quantize(_layer_norm(res.norm, xs) if pre else xs, 127)
             lin = ffn.W_1
             h8, sh = kernels._rescale_quantize(lin._product(torch.from_numpy(x8)).numpy(), sx,
                                                *lin._arrays(), lin.relu, 127)
-            xs = _output(ffn.W_2, h8, sh, xs)
-            if not pre:
-                xs = norm(res.norm, xs)
+            xs = _output(ffn.W_2, h8, sh, xs, None if pre else res.norm)
         if self.final_norm is not None:
-            xs = norm(self.final_norm, xs)
+            xs = _layer_norm(self.final_norm, xs)
         memory = x.new_zeros(B * S, d)
         memory[real] = torch.from_numpy(xs)
         self.calls += 1
         return memory.view(B, S, d)
 
-    def _layer_norm(self, norm, x: np.ndarray) -> np.ndarray:
-        y = F.layer_norm(torch.from_numpy(x), (self.d_model,), norm.weight, norm.bias, norm.eps)
-        return y.numpy()
+
+def _output(lin, x8: np.ndarray, x_scale: np.ndarray, resid: np.ndarray,
+            norm=None) -> np.ndarray:
+    """``resid + lin(x)`` from the int8 rows of x: a sub-layer's output map and its residual;
+    with ``norm`` (post-norm, §3.1), LayerNorm of that, in the same kernel where the "norm"
+    kernels run."""
+    acc = lin._product(torch.from_numpy(x8)).numpy()
+    if norm is not None and _kernel_norm(norm):
+        return kernels._rescale_add_norm(acc, x_scale, *lin._arrays(), resid, *norm.arrays())
+    y = kernels._rescale_add(acc, x_scale, *lin._arrays(), resid)
+    return y if norm is None else _layer_norm(norm, y)
 
 
-def _output(lin, x8: np.ndarray, x_scale: np.ndarray, resid: np.ndarray) -> np.ndarray:
-    """``resid + lin(x)`` from the int8 rows of x: a sub-layer's output map and its residual."""
-    return kernels._rescale_add(lin._product(torch.from_numpy(x8)).numpy(), x_scale,
-                                *lin._arrays(), resid)
+def _kernel_norm(norm) -> bool:
+    """Whether ``norm`` runs in the "norm" kernel (a :class:`~aiayn.model.quantize.
+    KernelLayerNorm`, as the module path would run it), not torch's."""
+    return "norm" in kernels.ENABLED and hasattr(norm, "arrays")
+
+
+def _layer_norm(norm, x: np.ndarray) -> np.ndarray:
+    """``norm(x)`` over float32 (n, d) rows, as the module path computes it."""
+    if _kernel_norm(norm):
+        return kernels._layer_norm(x, *norm.arrays())
+    y = F.layer_norm(torch.from_numpy(x), norm.normalized_shape, norm.weight, norm.bias,
+                     norm.eps)
+    return y.numpy()
 
 
 def _numpy_of(scratch: dict, name: str, t: Tensor) -> np.ndarray:

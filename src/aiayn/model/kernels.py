@@ -181,6 +181,68 @@ def _rescale_add(acc, x_scale, w_scale, bias, has_bias, resid):  # pragma: no co
     return out
 
 
+@_njit(fastmath={"reassoc"})
+def _sum(a):  # pragma: no cover - compiled
+    # sum of a float32 row, in lanes; the loop stores nothing, so LLVM keeps one copy of it
+    # and the order of the additions is fixed by the row's length alone
+    s = np.float32(0.0)
+    for c in range(a.shape[0]):
+        s += a[c]
+    return s
+
+
+@_njit(fastmath={"reassoc"})
+def _sum_sq_dev(a, m):  # pragma: no cover - compiled
+    # sum of (a[c] - m)^2 over a float32 row, in lanes (as _sum)
+    s = np.float32(0.0)
+    for c in range(a.shape[0]):
+        d = a[c] - m
+        s += d * d
+    return s
+
+
+@_njit()
+def _layer_norm_row(x, w, b, eps, y):  # pragma: no cover - compiled
+    # y = (x - mean) / sqrt(var + eps) * w + b over one float32 row (§3.1's LayerNorm, biased
+    # variance as torch's); the sums in lanes, the output without fastmath, so each element
+    # rounds the same way whichever copy of the loop runs
+    n = np.float32(x.shape[0])
+    mean = _sum(x) / n
+    rstd = np.float32(1.0) / np.sqrt(_sum_sq_dev(x, mean) / n + eps)
+    for c in range(x.shape[0]):
+        y[c] = ((x[c] - mean) * rstd) * w[c] + b[c]
+
+
+@_njit()
+def _layer_norm(x, w, b, eps):  # pragma: no cover - compiled
+    # LayerNorm over each row of a float32 (M, d) x: a new (M, d)
+    M, d = x.shape
+    out = np.empty((M, d), np.float32)
+    for r in range(M):
+        _layer_norm_row(x[r], w, b, eps, out[r])
+    return out
+
+
+@_njit()
+def _rescale_add_norm(acc, x_scale, w_scale, bias, has_bias, resid, w, b,
+                      eps):  # pragma: no cover - compiled
+    # LayerNorm(resid + _rescale(acc, ...)): a post-norm sub-layer's output map, residual and
+    # LayerNorm (§3.1, §5.4 with dropout off); each row's sum is _rescale_add's, normalized in
+    # place by _layer_norm's arithmetic, so the numbers are those two kernels' bit for bit
+    # (each row made in a scratch row: normalized in place, input and output would overlap,
+    # and LLVM would run that loop's scalar copy, 2x slower)
+    M, n_out = acc.shape
+    out = np.empty((M, n_out), np.float32)
+    y = np.empty(n_out, np.float32)
+    for r in range(M):
+        _rescale_row(acc[r], x_scale[r, 0], w_scale, bias, has_bias, y)
+        xr = resid[r]
+        for o in range(n_out):
+            y[o] = xr[o] + y[o]
+        _layer_norm_row(y, w, b, eps, out[r])
+    return out
+
+
 @_njit()
 def _rescale_quantize(acc, x_scale, w_scale, bias, has_bias, relu,
                       levels):  # pragma: no cover - compiled
@@ -471,10 +533,10 @@ def _log_softmax(x):  # pragma: no cover - compiled
 
 
 #: The kernel families in use: "attention" (:func:`attend`), "int8" (:func:`quantize_rows`,
-#: :func:`rescale`), "search" (:func:`row_argmax`, :func:`beam_top`) and "softmax"
-#: (:func:`rescale_log_softmax`, the output layer's). Benchmarks remove one to measure what it
-#: gains.
-KINDS = frozenset({"attention", "int8", "search", "softmax"})
+#: :func:`rescale`), "search" (:func:`row_argmax`, :func:`beam_top`), "softmax"
+#: (:func:`rescale_log_softmax`, the output layer's) and "norm" (:func:`layer_norm`, an int8
+#: copy's LayerNorm). Benchmarks remove one to measure what it gains.
+KINDS = frozenset({"attention", "int8", "norm", "search", "softmax"})
 ENABLED = set(KINDS) if AVAILABLE else set()
 
 
@@ -607,6 +669,17 @@ def log_softmax(x: Tensor) -> Tensor:
     return torch.log_softmax(x, dim=-1)
 
 
+def layer_norm(x: Tensor, weight: np.ndarray, bias: np.ndarray, eps: float) -> Tensor:
+    """LayerNorm (§3.1) over the last dimension of a float32 x (..., d) in one kernel: float32
+    (..., d), ``(x - mean) / sqrt(var + eps) * weight + bias`` per row (biased variance),
+    within float rounding of ``F.layer_norm`` (its sums run in another order), and the same
+    numbers for a row whatever else is in the batch. ``weight`` and ``bias`` are float32 (d,)
+    numpy arrays the caller keeps (:class:`aiayn.model.quantize.KernelLayerNorm`)."""
+    d = x.shape[-1]
+    out = _layer_norm(x.reshape(-1, d).contiguous().numpy(), weight, bias, np.float32(eps))
+    return torch.from_numpy(out).view(x.shape)
+
+
 def row_argmax(x: Tensor) -> Tensor | None:
     """``x.argmax(dim=1)`` of a float32 (M, V) ``x``: long (M,), each row's first column of its
     maximum, as torch gives it, in two vectorized integer passes instead of torch's scalar
@@ -663,6 +736,8 @@ def warm_up() -> None:
                 for acc in (torch.int32, torch.float32):
                     rescale(torch.ones(2, 3, dtype=acc), s, torch.ones(3), bias, relu)
         row_argmax(torch.zeros(2, 3))
+        _layer_norm(np.ones((2, 3), np.float32), np.ones(3, np.float32),
+                    np.zeros(3, np.float32), np.float32(1e-6))
         _log_softmax(np.zeros((2, 3), np.float32))
         for acc in (np.ones((2, 3), np.int32), np.ones((2, 3), np.float32)):
             for has_bias in (True, False):
@@ -674,6 +749,7 @@ def warm_up() -> None:
         ws, f4 = np.ones(4, np.float32), np.ones((2, 4), np.float32)
         for acc in (np.ones((2, 4), np.int32), f4):
             _rescale_add(acc, xs, ws, ws, True, f4)
+            _rescale_add_norm(acc, xs, ws, ws, True, f4, ws, ws, np.float32(1e-6))
             _rescale_quantize(acc, xs, ws, ws, True, True, 127)
             _cross_attention_step(acc, xs, ws, ws, True, 1, 4, 4, ws, ws,
                                   np.array([0, 4, 4, 4, 1, 0, 4, 4, 4], np.int64),
@@ -687,7 +763,6 @@ def warm_up() -> None:
                                np.ones(2, np.int64), np.float32(0.5), 127)
 
 
-__all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "int8_linear", "log_softmax",
-           "prefix_lengths", "quantize_rows", "rescale", "rescale_log_softmax", "row_argmax",
-           "usable", "warm_up"]
-
+__all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "int8_linear", "layer_norm",
+           "log_softmax", "prefix_lengths", "quantize_rows", "rescale", "rescale_log_softmax",
+           "row_argmax", "usable", "warm_up"]

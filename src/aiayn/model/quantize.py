@@ -294,6 +294,50 @@ class Int8Linear(nn.Module):
                 + (", packed weight" if self.packed else ""))
 
 
+class KernelLayerNorm(nn.LayerNorm):
+    """An int8 copy's LayerNorm (§3.1): :func:`aiayn.model.kernels.layer_norm` where the
+    "norm" kernels run (float32 on the CPU, no gradient), torch's elsewhere; x (..., d) ->
+    (..., d). The module path and the fused passes (:mod:`aiayn.model.fused`) both call the
+    kernel, so they keep giving the same numbers."""
+
+    @classmethod
+    def from_norm(cls, norm: nn.LayerNorm) -> KernelLayerNorm:
+        out = cls(norm.normalized_shape, eps=norm.eps, device=norm.weight.device)
+        with torch.no_grad():
+            out.weight.copy_(norm.weight)
+            out.bias.copy_(norm.bias)
+        out.requires_grad_(False)
+        return out
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.float32]:
+        """The weight, bias and eps as the kernels take them, made once and remade only when
+        the parameters are replaced."""
+        weight, bias = self.weight, self.bias
+        cached = getattr(self, "_numpy", None)
+        if cached is None or cached[0] is not weight or cached[1] is not bias:
+            cached = self._numpy = (weight, bias, weight.detach().numpy(),
+                                    bias.detach().numpy(), np.float32(self.eps))
+        return cached[2], cached[3], cached[4]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if kernels.usable(x, kind="norm") and len(self.normalized_shape) == 1:
+            return kernels.layer_norm(x, *self.arrays())
+        return super().forward(x)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_numpy"] = None  # views of this module's parameters, not of a copy's
+        return state
+
+
+def _replace_layer_norms(module: nn.Module) -> None:
+    for name, child in module.named_children():
+        if type(child) is nn.LayerNorm and child.elementwise_affine and child.bias is not None:
+            setattr(module, name, KernelLayerNorm.from_norm(child))
+        else:
+            _replace_layer_norms(child)
+
+
 def _fuse_self_attention(module: nn.Module) -> None:
     """Give every self-attention of ``module`` one int8 map for W^Q, W^K and W^V
     (``W_qkv``): their rows stacked, each keeping its own scale, so the outputs are the three
@@ -338,6 +382,7 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
         if fuse_qkv:
             _fuse_self_attention(stack)
         _replace_linears(stack)
+    _replace_layer_norms(q)
     for ffn in q.modules():  # the relu moves into W_1's rescaling pass
         if isinstance(ffn, PositionwiseFeedForward) and ffn.activation is F.relu:
             ffn.W_1.relu = True
@@ -374,4 +419,5 @@ def _fusable(q: nn.Module, encoder: bool = False) -> bool:
     return True
 
 
-__all__ = ["Int8Linear", "quantize_int8", "weight_columns_first", "weight_packed_faster"]
+__all__ = ["Int8Linear", "KernelLayerNorm", "quantize_int8", "weight_columns_first",
+           "weight_packed_faster"]
