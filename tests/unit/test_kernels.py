@@ -315,3 +315,33 @@ def test_layer_norm_kernel_is_torchs_within_rounding_and_row_by_row():
     two = kernels._layer_norm(kernels._rescale_add(acc, x_scale, w_scale, bias, True, resid),
                               g, beta, eps)
     assert np.array_equal(fused, two)
+
+
+def test_attend_does_not_depend_on_where_its_inputs_lie_in_memory():
+    """Batch invariance needs more than a fixed order of sums: LLVM can give a loop that both
+    stores and sums two compiled copies, picked at run time by the arrays' addresses, that
+    round differently. The same queries, keys and values placed at other offsets, with the
+    kernel's own scratch arrays landing elsewhere in the heap, give the same output bit for
+    bit, for key counts that take every path (four-key passes and the rest, vector and scalar
+    exponentials)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    R, h, G = 3, 4, 2
+    for Tk in (1, 3, 4, 5, 9, 16, 17, 25, 33):
+        for d in (16, 64):
+            q = torch.randn(R * G, 1, h, d)
+            k, v = torch.randn(R, Tk, h, d), torch.randn(R, Tk, h, d)
+            lengths = torch.tensor([Tk, max(1, Tk // 2), 1])
+            with torch.no_grad():
+                ref = kernels.attend(q, k.transpose(1, 2), v.transpose(1, 2), lengths, group=G)
+                held = []  # small blocks kept alive, so the kernel's scratch lands elsewhere
+                for offset in range(1, 40, 3):
+                    def placed(t, offset=offset):
+                        view = torch.empty(t.numel() + 64)[offset:offset + t.numel()]
+                        return view.view(t.shape).copy_(t)
+
+                    held += [np.empty(Tk + offset % 7, np.float32) for _ in range(offset % 5)]
+                    got = kernels.attend(placed(q), placed(k).transpose(1, 2),
+                                         placed(v).transpose(1, 2), lengths, group=G)
+                    assert torch.equal(got, ref), (Tk, d, offset)

@@ -43,6 +43,31 @@ def _njit(**options):
     return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
 
 
+@_njit(fastmath={"reassoc"})
+def _sum(a):  # pragma: no cover - compiled
+    # sum of a float32 row, in lanes; the loop stores nothing, so LLVM keeps one copy of it
+    # and the order of the additions is fixed by the row's length alone
+    s = np.float32(0.0)
+    for c in range(a.shape[0]):
+        s += a[c]
+    return s
+
+
+@_njit(inline="always")
+def _dot4(x, a, b, c, d):  # pragma: no cover - compiled
+    # (x . a, x . b, x . c, x . d) in one pass over x; inlined into _attend, under its
+    # fastmath (lanes). The loop stores nothing, so LLVM keeps one copy of it: the order of
+    # the additions is fixed by the length alone
+    s0, s1, s2, s3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+    for i in range(x.shape[0]):
+        xi = x[i]
+        s0 += xi * a[i]
+        s1 += xi * b[i]
+        s2 += xi * c[i]
+        s3 += xi * d[i]
+    return s0, s1, s2, s3
+
+
 @_njit(fastmath=True)
 def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
             key_rows):  # pragma: no cover - compiled
@@ -54,53 +79,75 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
     # for query i). Returns out: flat (N, Tq, H, DV), allocated here.
     # With key_rows (N, Tk) non-empty, key j of query row r lies in key row key_rows[r, j].
     # Rows are taken as slices, whose indices numba knows are in range: that lets LLVM
-    # vectorize the loops over d (with flat indices it did not, 8x slower).
+    # vectorize the loops over d (with flat indices it did not, 8x slower). The scores go
+    # four keys a pass over the query, and the exponentials in lanes (_exp_terms).
+    # Batch invariance rests on one rule here: LLVM gives a vectorized loop that stores into
+    # one array while reading others a runtime test on their addresses, with a scalar copy
+    # for when it fails; a sum (or, under fastmath, a * b + c * d, which may contract two
+    # ways) rounds differently in the two copies, so the output would depend on where the
+    # arrays lie, the kernel's own scratch included. A first version summed the exponentials
+    # in the loop that stored the weights, and its output changed with the heap
+    # (docs/benchmarks.md). So every sum is in a loop that stores nothing (the dot products,
+    # _sum), and the loop that stores into the output adds one product at a time
+    # (ov += w * v, which contracts one way only). Every sum runs in an order fixed by the
+    # query's own key count.
     q0, qr_s, qi_s, qh_s = at[0], at[1], at[2], at[3]
     k0, kr_s, kh_s, kj_s, T = at[4], at[5], at[6], at[7], at[8]
     v0, vr_s, vh_s, vj_s = at[9], at[10], at[11], at[12]
     out = np.empty(N * Tq * H * DV, np.float32)
-    scores = np.empty(max(T, 1), np.float32)
-    acc = np.empty(DV, np.float32)
+    T1 = max(T, 1)
+    scores = np.empty(T1, np.float32)
+    mant = np.empty(T1, np.float32)
+    bits = np.empty(T1, np.int32)
+    two_n = bits.view(np.float32)
+    ko = np.empty(T1, np.int64)  # where each key and value row starts
+    vo = np.empty(T1, np.int64)
     by_row = key_rows.shape[0] > 0
+    zero = np.float32(0.0)
     for r in range(N):
         kr = r // group
         n_all = key_len[kr]
         for i in range(Tq):
             n = n_all if causal_from < 0 else min(n_all, causal_from + i + 1)
             for hh in range(H):
+                for j in range(n):
+                    row = key_rows[r, j] if by_row else kr
+                    ko[j] = k0 + row * kr_s + hh * kh_s + j * kj_s
+                    vo[j] = v0 + row * vr_s + hh * vh_s + j * vj_s
                 qo = q0 + r * qr_s + i * qi_s + hh * qh_s
                 qv = q[qo : qo + D]
-                ko = k0 + kr * kr_s + hh * kh_s
                 top = np.float32(-3.0e38)
-                for j in range(n):
-                    if by_row:
-                        ko = k0 + key_rows[r, j] * kr_s + hh * kh_s
-                    kv = k[ko + j * kj_s : ko + j * kj_s + D]
-                    s = np.float32(0.0)
+                j = 0
+                while j + 4 <= n:
+                    ka, kb = k[ko[j] : ko[j] + D], k[ko[j + 1] : ko[j + 1] + D]
+                    kc, kd = k[ko[j + 2] : ko[j + 2] + D], k[ko[j + 3] : ko[j + 3] + D]
+                    s0, s1, s2, s3 = _dot4(qv, ka, kb, kc, kd)
+                    s0, s1, s2, s3 = s0 * scale, s1 * scale, s2 * scale, s3 * scale
+                    scores[j], scores[j + 1], scores[j + 2], scores[j + 3] = s0, s1, s2, s3
+                    top = max(top, max(max(s0, s1), max(s2, s3)))
+                    j += 4
+                while j < n:
+                    kv = k[ko[j] : ko[j] + D]
+                    s = zero
                     for dd in range(D):
                         s += qv[dd] * kv[dd]
                     s *= scale
                     scores[j] = s
                     top = max(top, s)
-                total = np.float32(0.0)
+                    j += 1
+                _exp_terms(scores[:n], top, mant[:n], bits[:n])  # exp(s - top) = mant * 2^n
                 for j in range(n):
-                    e = np.exp(scores[j] - top)
-                    scores[j] = e
-                    total += e
-                inv = np.float32(1.0) / total if n > 0 else np.float32(0.0)
-                vo = v0 + kr * vr_s + hh * vh_s
-                acc[:] = 0.0
-                for j in range(n):
-                    w = scores[j] * inv
-                    if by_row:
-                        vo = v0 + key_rows[r, j] * vr_s + hh * vh_s
-                    vv = v[vo + j * vj_s : vo + j * vj_s + DV]
-                    for dd in range(DV):
-                        acc[dd] += w * vv[dd]
+                    scores[j] = mant[j] * two_n[j]
+                total = _sum(scores[:n])
+                inv = np.float32(1.0) / total if n > 0 else zero
                 oo = ((r * Tq + i) * H + hh) * DV
                 ov = out[oo : oo + DV]
-                for dd in range(DV):
-                    ov[dd] = acc[dd]
+                ov[:] = zero
+                for j in range(n):
+                    w = scores[j] * inv
+                    vv = v[vo[j] : vo[j] + DV]
+                    for dd in range(DV):
+                        ov[dd] += w * vv[dd]
     return out
 
 
@@ -179,16 +226,6 @@ def _rescale_add(acc, x_scale, w_scale, bias, has_bias, resid):  # pragma: no co
         for o in range(n_out):
             yr[o] = xr[o] + yr[o]
     return out
-
-
-@_njit(fastmath={"reassoc"})
-def _sum(a):  # pragma: no cover - compiled
-    # sum of a float32 row, in lanes; the loop stores nothing, so LLVM keeps one copy of it
-    # and the order of the additions is fixed by the row's length alone
-    s = np.float32(0.0)
-    for c in range(a.shape[0]):
-        s += a[c]
-    return s
 
 
 @_njit(fastmath={"reassoc"})
