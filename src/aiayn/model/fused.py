@@ -251,8 +251,9 @@ def _cross(scratch: dict, cache: DecoderCache, layer: int
     k, v = cache.cross[layer]
     known = scratch.get(("cross", layer))
     if known is None or known[0] is not k or known[1] is not v:
-        kc = k if k.stride(3) == 1 and v.stride(3) == 1 else k.contiguous()
-        vc = v if kc is k else v.contiguous()
+        # each (sentence, head)'s keys made contiguous, once per batch: read every step, a
+        # split projection's strided keys (h * d_k apart) streamed worse from memory
+        kc, vc = k.contiguous(), v.contiguous()
         at = np.array([kc.storage_offset(), *kc.stride()[:3], kc.shape[2],
                        vc.storage_offset(), *vc.stride()[:3]], dtype=np.int64)
         known = scratch[("cross", layer)] = (k, v, kernels._storage(kc), kernels._storage(vc),
