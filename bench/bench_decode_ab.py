@@ -33,8 +33,9 @@ def main() -> int:
     p.add_argument("--dump", metavar="JSON", help="write the output tokens here")
     p.add_argument("--without", nargs="*", default=[], metavar="LEVER",
                    help="levers to switch off, to measure one alone: a kernel family of "
-                        "aiayn.model.kernels.KINDS (e.g. softmax), or 'packed' (no map runs "
-                        "over a packed oneDNN weight)")
+                        "aiayn.model.kernels.KINDS (e.g. softmax), 'packed' (no map runs "
+                        "over a packed oneDNN weight), or 'kv-bf16' (a float32 self-attention "
+                        "cache)")
     args = p.parse_args()
     data = os.environ.get("AIAYN_DATA_DIR")
     if not data:
@@ -67,15 +68,18 @@ def main() -> int:
         model.tgt_embed.weight.mul_(4.0)
     from aiayn.model import quantize
 
+    kv_bf16 = True
     for lever in args.without:
         if lever == "packed":
             quantize.weight_packed_faster = lambda *shape: False
+        elif lever == "kv-bf16":
+            kv_bf16 = False
         elif lever in kernels.KINDS:
             kernels.ENABLED.discard(lever)
         else:
-            p.error(f"--without: unknown lever {lever!r} (packed, or one of "
+            p.error(f"--without: unknown lever {lever!r} (packed, kv-bf16, or one of "
                     f"{sorted(kernels.KINDS)})")
-    q = quantize_int8(model)
+    q = quantize_int8(model, kv_bf16=kv_bf16)
     packed = sum(m.packed for m in q.modules() if isinstance(m, quantize.Int8Linear))
     sources = encode_sources(vocab, lines, cfg.max_len)
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))

@@ -345,3 +345,42 @@ def test_attend_does_not_depend_on_where_its_inputs_lie_in_memory():
                     got = kernels.attend(placed(q), placed(k).transpose(1, 2),
                                          placed(v).transpose(1, 2), lengths, group=G)
                     assert torch.equal(got, ref), (Tk, d, offset)
+
+
+def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly():
+    """The self-attention step writes new keys into a bf16 cache as torch's .to(bfloat16)
+    rounds them (to nearest, ties to even; NaN stays NaN), and attention over bf16 keys and
+    values gives what it gives over their float32 widening, bit for bit."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(8)
+    n, H, D, C = 3, 2, 8, 5
+    width = 3 * H * D
+    acc = torch.randint(-30000, 30000, (n, width), dtype=torch.int32, generator=gen).numpy()
+    x_scale = (torch.rand(n, 1, generator=gen) * 1e-3).numpy()
+    w_scale, bias = torch.rand(width, generator=gen).numpy(), torch.randn(width,
+                                                                         generator=gen).numpy()
+    rows = np.tile(np.arange(n)[:, None], (1, C)).astype(np.int64)
+    kb16 = torch.zeros(n, H, C, D, dtype=torch.bfloat16)
+    vb16 = torch.zeros(n, H, C, D, dtype=torch.bfloat16)
+    for pos in range(3):
+        kernels._self_attention_step(acc, x_scale, w_scale, bias, True, H, D, D,
+                                     kernels.as_array(kb16), kernels.as_array(vb16), pos, rows,
+                                     np.float32(D**-0.5), 127)
+    qkv = torch.from_numpy(kernels._rescale(acc, x_scale, w_scale, bias, True, False))
+    want_k = qkv[:, H * D:2 * H * D].view(n, H, D).to(torch.bfloat16)
+    assert torch.equal(kb16[:, :, 0].view(torch.int16), want_k.view(torch.int16))
+    x = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-39, 3e38, float("nan")])
+    out = np.zeros(x.shape[0], np.uint16)
+    kernels._put_row(out, x.numpy())
+    got16 = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+    assert torch.equal(got16[:-1].view(torch.int16), x[:-1].to(torch.bfloat16).view(torch.int16))
+    assert got16[-1].isnan()
+    q = torch.randn(4, 1, H, D, generator=gen)
+    k16 = torch.randn(2, H, 6, D, generator=gen).to(torch.bfloat16)
+    v16 = torch.randn(2, H, 6, D, generator=gen).to(torch.bfloat16)
+    lengths = torch.tensor([6, 3])
+    with torch.no_grad():
+        got = kernels.attend(q, k16, v16, lengths, group=2)
+        want = kernels.attend(q, k16.float(), v16.float(), lengths, group=2)
+    assert torch.equal(got, want)

@@ -114,11 +114,14 @@ class DecoderCache:
 
     def __init__(self, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor, *,
                  window: int | None = None, group: int = 1, capacity: int = 0,
-                 gather: bool = False) -> None:
+                 gather: bool = False, kv_dtype: torch.dtype | None = None) -> None:
         if gather and window is not None:
             raise ValueError("a gathering cache keeps every position: no window")
         self.cross = cross
         self.gather = gather
+        # the self-attention buffers' dtype; None: the new keys' own (torch.bfloat16 halves
+        # what each step reads: an int8 copy's cache, aiayn.model.quantize)
+        self.kv_dtype = kv_dtype
         self._rows: Tensor | None = None  # gather: (n, C) buffer row of each row's position
         self.src_mask = src_mask
         self.window = window
@@ -138,11 +141,13 @@ class DecoderCache:
 
     @classmethod
     def start(cls, cross: list[tuple[Tensor, Tensor]], src_mask: Tensor,
-              window: int | None = None, capacity: int = 0, gather: bool = False
-              ) -> DecoderCache:
+              window: int | None = None, capacity: int = 0, gather: bool = False,
+              kv_dtype: torch.dtype | None = None) -> DecoderCache:
         """A cache before step 1: one row per sentence of ``src_mask`` (B, S); ``gather``:
-        reorder a table of buffer rows instead of the keys (see the module docstring)."""
-        return cls(cross, src_mask, window=window, capacity=capacity, gather=gather)
+        reorder a table of buffer rows instead of the keys (see the module docstring);
+        ``kv_dtype``: the self-attention buffers' dtype (None: the keys' own)."""
+        return cls(cross, src_mask, window=window, capacity=capacity, gather=gather,
+                   kv_dtype=kv_dtype)
 
     @property
     def batch_size(self) -> int:
@@ -248,6 +253,8 @@ class DecoderCache:
             self._held = self.window
 
     def _make_room(self, t_new: int, n: int, h: int, d_k: int, d_v: int, like: Tensor) -> None:
+        if self.kv_dtype is not None and like.dtype != self.kv_dtype:
+            like = like.new_empty(0, dtype=self.kv_dtype)
         need = self._held + t_new
         first = self._k[0]
         if first is not None and self._lo + need <= first.shape[2]:
@@ -303,7 +310,7 @@ class DecoderCache:
 
     def _copy_state(self, cross, src_mask, group) -> DecoderCache:
         out = DecoderCache(cross, src_mask, window=self.window, group=group,
-                           capacity=self.capacity, gather=self.gather)
+                           capacity=self.capacity, gather=self.gather, kv_dtype=self.kv_dtype)
         out.length, out._lo, out._held = self.length, self._lo, self._held
         out._source_lengths = self._source_lengths  # checked against src_mask when read
         out.scratch = self.scratch

@@ -240,7 +240,7 @@ def _buffers(scratch: dict, cache: DecoderCache, layer: int) -> tuple[np.ndarray
     k, v = cache.buffers(layer)
     known = scratch.get(("self", layer))
     if known is None or known[0] is not k or known[1] is not v:
-        known = scratch[("self", layer)] = (k, v, k.numpy(), v.numpy())
+        known = scratch[("self", layer)] = (k, v, kernels.as_array(k), kernels.as_array(v))
     return known[2], known[3]
 
 

@@ -61,10 +61,10 @@ def _dot4(x, a, b, c, d):  # pragma: no cover - compiled
     s0, s1, s2, s3 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
     for i in range(x.shape[0]):
         xi = x[i]
-        s0 += xi * a[i]
-        s1 += xi * b[i]
-        s2 += xi * c[i]
-        s3 += xi * d[i]
+        s0 += xi * _f32(a[i])
+        s1 += xi * _f32(b[i])
+        s2 += xi * _f32(c[i])
+        s3 += xi * _f32(d[i])
     return s0, s1, s2, s3
 
 
@@ -130,7 +130,7 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
                     kv = k[ko[j] : ko[j] + D]
                     s = zero
                     for dd in range(D):
-                        s += qv[dd] * kv[dd]
+                        s += qv[dd] * _f32(kv[dd])
                     s *= scale
                     scores[j] = s
                     top = max(top, s)
@@ -147,8 +147,14 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
                     w = scores[j] * inv
                     vv = v[vo[j] : vo[j] + DV]
                     for dd in range(DV):
-                        ov[dd] += w * vv[dd]
+                        ov[dd] += w * _f32(vv[dd])
     return out
+
+
+@_njit()
+def _put_row(dst, src):  # pragma: no cover - compiled
+    # _put as a kernel of its own (tests)
+    _put(dst, src)
 
 
 @_njit()
@@ -292,7 +298,7 @@ def _self_attention_step(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, kbuf,
                          key_rows, scale, levels):  # pragma: no cover - compiled
     # One decoding step of cached self-attention after the W^QKV product: rescale the sums
     # (n, H * (2 Dk + Dv)), write each row's new key and value into buffer row r at position
-    # pos of kbuf (R, H, C, Dk) and vbuf (R, H, C, Dv), attend from each row's query over its
+    # pos of kbuf (R, H, C, Dk) and vbuf (R, H, C, Dv) (float32, or bfloat16 bits as uint16), attend from each row's query over its
     # keys 0 .. pos (key j of row r in buffer row key_rows[r, j]), and quantize the attention
     # output (n, H * Dv) for W^O. The same calls, and so the same numbers, as the module path.
     n = acc.shape[0]
@@ -301,8 +307,8 @@ def _self_attention_step(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, kbuf,
     k0, v0 = H * Dk, 2 * H * Dk
     for r in range(n):
         for hh in range(H):
-            kbuf[r, hh, pos, :] = qkv[r, k0 + hh * Dk : k0 + (hh + 1) * Dk]
-            vbuf[r, hh, pos, :] = qkv[r, v0 + hh * Dv : v0 + (hh + 1) * Dv]
+            _put(kbuf[r, hh, pos, :], qkv[r, k0 + hh * Dk : k0 + (hh + 1) * Dk])
+            _put(vbuf[r, hh, pos, :], qkv[r, v0 + hh * Dv : v0 + (hh + 1) * Dv])
     C = kbuf.shape[2]
     T = pos + 1
     at = np.empty(13, np.int64)
@@ -476,6 +482,48 @@ def _beam_top(logp, live, k, G, values, index):  # pragma: no cover - compiled
 # e^-80, measured; nearer the underflow, terms too small to move a sum that holds 1), 2^n
 # made from the exponent's bits. numba's np.exp is one libm call per element, which
 # does not vectorize: 5-10x slower than torch's log_softmax over a row of logits.
+def _f32(x):  # pragma: no cover - replaced by its overload inside compiled code
+    """One stored element as float32: itself, or the float32 whose upper half are a bfloat16's
+    16 bits (a key or value of a bf16 cache, held as uint16)."""
+    raise NotImplementedError
+
+
+def _put(dst, src):  # pragma: no cover - replaced by its overload inside compiled code
+    """``dst[:] = src`` for a float32 row ``src``: copied, or rounded to bfloat16 (to nearest,
+    ties to even, as torch's ``.to(torch.bfloat16)``) into a uint16 row."""
+    raise NotImplementedError
+
+
+if numba is not None:
+    from numba import types
+    from numba.extending import overload
+
+    @overload(_f32, inline="always")
+    def _f32_overload(x):  # pragma: no cover - compile time
+        if isinstance(x, types.Integer):
+            return lambda x: np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
+        return lambda x: x
+
+    @overload(_put, inline="always")
+    def _put_overload(dst, src):  # pragma: no cover - compile time
+        if isinstance(dst.dtype, types.Integer):
+            def put_bf16(dst, src):
+                bits = src.view(np.uint32)
+                for c in range(dst.shape[0]):
+                    b = bits[c]
+                    if b & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):  # NaN
+                        dst[c] = np.uint16(0x7FC0)
+                    else:
+                        dst[c] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16))
+                                                                    & np.uint32(1)))
+                                           >> np.uint32(16))
+            return put_bf16
+
+        def put_f32(dst, src):
+            dst[:] = src
+        return put_f32
+
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -598,8 +646,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
 
     Args:
         q: float32 (N, Tq, h, d_k), the projected queries (the linear map's own layout).
-        k: float32 (R, h, Tk, d_k) keys, any strides (a cache buffer, or a split projection).
-        v: float32 (R, h, Tk, d_v) values.
+        k: float32 or bfloat16 (R, h, Tk, d_k) keys, any strides (a cache buffer, or a split
+            projection).
+        v: (R, h, Tk, d_v) values, k's dtype.
         key_len: long (R,), the keys each key row holds (its real tokens, a prefix of Tk).
         group: query rows per key row: row r attends to key row r // group (the beams of a
             sentence over its one copy of the encoder output). N = R * group.
@@ -617,6 +666,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
     DV = v.shape[3]
     if q.stride(3) != 1:
         q = q.contiguous()
+    if k.dtype != v.dtype:
+        k, v = k.float(), v.float()
     if k.stride(3) != 1 or v.stride(3) != 1:
         k, v = k.contiguous(), v.contiguous()
     # read in place through offsets and strides: no copy of q (a slice of W_qkv's output)
@@ -629,8 +680,25 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
 
 
 def _storage(t: Tensor) -> np.ndarray:
-    """The whole float32 storage under ``t``, flat."""
+    """The whole storage under ``t``, flat: float32, or a bfloat16 tensor's as uint16."""
+    if t.dtype == torch.bfloat16:
+        flat = t.as_strided((t.untyped_storage().nbytes() // 2,), (1,), 0)
+        return flat.view(torch.int16).numpy().view(np.uint16)
     return t.as_strided((t.untyped_storage().nbytes() // 4,), (1,), 0).numpy()
+
+
+def as_array(t: Tensor) -> np.ndarray:
+    """``t.numpy()``, and for a bfloat16 tensor its bits as uint16 (what the kernels read)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def kv_usable(k: Tensor, v: Tensor) -> bool:
+    """Whether :func:`attend` reads these keys and values: on the CPU, float32 or bfloat16
+    (a bf16 self-attention cache: :class:`aiayn.model.DecoderCache`'s ``kv_dtype``)."""
+    return (k.is_cpu and v.is_cpu and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16))
 
 
 def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
@@ -767,6 +835,8 @@ def warm_up() -> None:
     with torch.no_grad():
         q = torch.zeros(2, 1, 1, 4)
         attend(q, q.transpose(1, 2), q.transpose(1, 2), torch.ones(2, dtype=torch.long))
+        kv = q.transpose(1, 2).to(torch.bfloat16)
+        attend(q, kv, kv, torch.ones(2, dtype=torch.long))
         _, s = quantize_rows(torch.ones(2, 4))
         for bias in (torch.ones(3), None):
             for relu in (False, True):
@@ -796,10 +866,13 @@ def warm_up() -> None:
             buf = np.zeros((2, 1, 3, 4), np.float32)
             _self_attention_step(acc3, xs, w3, w3, True, 1, 4, 4, buf, buf.copy(), 0,
                                  np.zeros((2, 3), np.int64), np.float32(0.5), 127)
+            b16 = np.zeros((2, 1, 3, 4), np.uint16)  # a bf16 cache's buffers
+            _self_attention_step(acc3, xs, w3, w3, True, 1, 4, 4, b16, b16.copy(), 0,
+                                 np.zeros((2, 3), np.int64), np.float32(0.5), 127)
             _encoder_attention(acc3, xs, w3, w3, True, 1, 4, 4, np.zeros((2, 2), np.int64),
                                np.ones(2, np.int64), np.float32(0.5), 127)
 
 
-__all__ = ["AVAILABLE", "ENABLED", "KINDS", "attend", "beam_top", "int8_linear", "layer_norm",
-           "log_softmax", "prefix_lengths", "quantize_rows", "rescale", "rescale_log_softmax",
-           "row_argmax", "usable", "warm_up"]
+__all__ = ["AVAILABLE", "ENABLED", "KINDS", "as_array", "attend", "beam_top", "int8_linear",
+           "kv_usable", "layer_norm", "log_softmax", "prefix_lengths", "quantize_rows", "rescale",
+           "rescale_log_softmax", "row_argmax", "usable", "warm_up"]

@@ -222,11 +222,13 @@ class MultiHeadAttention(nn.Module):
         B, Tq = q_flat.shape[:2]
         k, v = kv
         if (key_len is not None and not self.record_weights and not self.training
-                and kernels.usable(q_flat, k, v)):
+                and kernels.usable(q_flat) and kernels.kv_usable(k, v)):
             out = kernels.attend(q_flat.reshape(B, Tq, self.h, self.d_k), k, v, key_len,
                                  group=group, causal_from=causal_from,
                                  key_rows=key_rows)  # (B, Tq, h, d_v)
             return self.W_o(out.view(B, Tq, self.h * self.d_v))
+        if k.dtype != q_flat.dtype:  # a bf16 cache read outside the kernel: widened, exactly
+            k, v = k.to(q_flat.dtype), v.to(q_flat.dtype)
         if key_rows is not None:  # the rows' own keys, gathered from where they lie
             pos = torch.arange(key_rows.shape[1], device=key_rows.device)[None, :]
             k = k.transpose(1, 2)[key_rows, pos].transpose(1, 2)
@@ -479,6 +481,9 @@ class Transformer(nn.Module):
         # encode's layers over the real tokens only, fused likewise
         # (aiayn.model.fused.FusedInt8Encoder), or None. Set by quantize_int8.
         self.int8_encoder = None
+        # the dtype of the self-attention cache's keys and values where decoding's CPU kernels
+        # read them (start_cache), or None: the keys' own. Set by quantize_int8.
+        self.cache_dtype: torch.dtype | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -673,8 +678,11 @@ class Transformer(nn.Module):
         window = self.config.attention_window
         # on the CPU kernels, beams reorder a table of rows, not their keys (DecoderCache)
         gather = window is None and not self.training and kernels.usable(memory)
+        # an int8 copy keeps its self-attention keys and values in bfloat16 where the kernels
+        # read them: each step reads half the bytes (quantize_int8's ``kv_bf16``)
+        kv_dtype = self.cache_dtype if gather else None
         return DecoderCache.start(cross, src_mask, window=window, capacity=capacity,
-                                  gather=gather)
+                                  gather=gather, kv_dtype=kv_dtype)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache, compact: bool = False,
                     projection: nn.Module | None = None, log_probs: bool = False) -> Tensor:
