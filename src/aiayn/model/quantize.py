@@ -374,9 +374,10 @@ def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
     are ids 0-2), a model whose output layer can produce only some tokens also gets decoding's
     own int8 map onto those (``step_projection``, ``step_token_ids``:
     :meth:`~aiayn.model.Transformer.output_token_ids`): the same logits for them, less work.
-    With ``kv_bf16`` (the default) its decoder caches hold the self-attention keys and values
-    in bfloat16 where the CPU kernels read them: a step reads half the bytes, and every path
-    (fused or the layers' own) reads the same rounded keys.
+    With ``kv_bf16`` (the default) its decoder caches hold the self-attention keys and values,
+    and the encoder's for encoder-decoder attention, in bfloat16 where the CPU kernels read
+    them: a step reads half the bytes, and every path (fused or the layers' own) reads the
+    same rounded keys.
     """
     q = copy.deepcopy(model).eval()
     for p in q.parameters():
