@@ -24,6 +24,11 @@ How it moves data (what makes decoding fast on a CPU):
 - **Buffers are reused across batches on the CPU** (:class:`BufferPool`): fresh memory costs a
   page fault per 4 KiB the first time it is written, and a batch's buffers are tens of MiB, so a
   new cache takes the storage of one that no tensor uses any more.
+- **An int8 copy keeps its keys and values in bfloat16** (``kv_dtype``; the encoder-decoder
+  ones too, :meth:`Transformer.start_cache`): every step reads the whole cache, which with a
+  ``base`` model's beams no longer fits the CPU's caches, so halving its bytes made the step
+  faster. They are rounded once, when written, as torch rounds, and read exactly (widened);
+  every path of that model reads the same rounded keys.
 
 Under restricted self-attention (§4, ``attention_window = r``) each layer keeps only the last
 r positions (older ones are dropped, the buffer compacted when it fills), so its memory stays
