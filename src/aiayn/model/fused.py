@@ -42,7 +42,19 @@ from aiayn.model import kernels
 from aiayn.model.cache import DecoderCache
 
 
-class FusedInt8Step:
+class _FusedStack:
+    """What the fused passes over a stack need of the model: its layers, the attention's
+    shape (h, d_k, d_v, d_model), the norm's place and eq. 1's scale 1 / sqrt(d_k)."""
+
+    def __init__(self, model, stack) -> None:
+        cfg = model.config
+        self.layers = list(stack)
+        self.h, self.d_k, self.d_v, self.d_model = cfg.h, cfg.d_k, cfg.d_v, cfg.d_model
+        self.pre_norm = cfg.norm == "pre"
+        self.scale = np.float32(cfg.d_k**-0.5)  # kernels.attend's default scale
+
+
+class FusedInt8Step(_FusedStack):
     """The decoder stack of an int8 copy (:func:`aiayn.model.quantize.quantize_int8`) as one
     step function: x (n, 1, d_model) -> (n, 1, d_model), the input of the output layer.
 
@@ -53,11 +65,7 @@ class FusedInt8Step:
     """
 
     def __init__(self, model) -> None:
-        cfg = model.config
-        self.layers = list(model.decoder)
-        self.h, self.d_k, self.d_v, self.d_model = cfg.h, cfg.d_k, cfg.d_v, cfg.d_model
-        self.pre_norm = cfg.norm == "pre"
-        self.scale = np.float32(cfg.d_k**-0.5)  # kernels.attend's default scale
+        _FusedStack.__init__(self, model, model.decoder)
         self.steps = 0  # steps run here (the module path ran the others)
 
     def run(self, x: Tensor, cache: DecoderCache, cross_len: Tensor | None) -> Tensor | None:
@@ -107,18 +115,12 @@ class FusedInt8Step:
                 lin._product(torch.from_numpy(x8)).numpy(), sx, *lin._arrays(), H, Dk, Dv,
                 k, v, kv_at, key_len, group, scale, kernels._NO_ROWS, 127)
             xs = _output(attn.W_o, a8, sa, xs, None if pre else res.norm)
-            # FFN (§3.3): relu inside W_1's rescaling
-            ffn, res = layer.ffn, layer.res_ffn
-            x8, sx = quantize(_layer_norm(res.norm, xs) if pre else xs, 127)
-            lin = ffn.W_1
-            h8, sh = kernels._rescale_quantize(lin._product(torch.from_numpy(x8)).numpy(), sx,
-                                               *lin._arrays(), lin.relu, 127)
-            xs = _output(ffn.W_2, h8, sh, xs, None if pre else res.norm)
+            xs = _ffn(layer, xs, pre)
         self.steps += 1
         return torch.from_numpy(xs).view(n, 1, d)
 
 
-class FusedInt8Encoder:
+class FusedInt8Encoder(_FusedStack):
     """The encoder stack of an int8 copy (:func:`aiayn.model.quantize.quantize_int8`) over the
     batch's real tokens only: x (B, S, d_model) embedded -> memory (B, S, d_model).
 
@@ -139,12 +141,8 @@ class FusedInt8Encoder:
     """
 
     def __init__(self, model) -> None:
-        cfg = model.config
-        self.layers = list(model.encoder)
+        _FusedStack.__init__(self, model, model.encoder)
         self.final_norm = model.encoder_norm
-        self.h, self.d_k, self.d_v, self.d_model = cfg.h, cfg.d_k, cfg.d_v, cfg.d_model
-        self.pre_norm = cfg.norm == "pre"
-        self.scale = np.float32(cfg.d_k**-0.5)
         self.calls = 0  # batches encoded here (the module path encoded the others)
 
     def run(self, x: Tensor, key_len: Tensor) -> Tensor | None:
@@ -186,18 +184,26 @@ class FusedInt8Encoder:
                 lin._product(torch.from_numpy(x8)).numpy(), sx, *lin._arrays(), H, Dk, Dv,
                 key_rows, row_len, scale, 127)
             xs = _output(attn.W_o, a8, sa, xs, None if pre else res.norm)
-            ffn, res = layer.ffn, layer.res_ffn
-            x8, sx = quantize(_layer_norm(res.norm, xs) if pre else xs, 127)
-            lin = ffn.W_1
-            h8, sh = kernels._rescale_quantize(lin._product(torch.from_numpy(x8)).numpy(), sx,
-                                               *lin._arrays(), lin.relu, 127)
-            xs = _output(ffn.W_2, h8, sh, xs, None if pre else res.norm)
+            xs = _ffn(layer, xs, pre)
         if self.final_norm is not None:
             xs = _layer_norm(self.final_norm, xs)
         memory = x.new_zeros(B * S, d)
         memory[real] = torch.from_numpy(xs)
         self.calls += 1
         return memory.view(B, S, d)
+
+
+def _ffn(layer, xs: np.ndarray, pre: bool) -> np.ndarray:
+    """A layer's FFN sub-layer (§3.3) over float32 (n, d_model) rows with its residual and
+    LayerNorm: quantize, the W_1 product, one kernel for rescaling, relu (inside W_1's
+    rescaling) and quantizing, the W_2 product, rescaling with the residual (and the
+    LayerNorm, post-norm)."""
+    ffn, res = layer.ffn, layer.res_ffn
+    x8, sx = kernels._quantize_rows(_layer_norm(res.norm, xs) if pre else xs, 127)
+    lin = ffn.W_1
+    h8, sh = kernels._rescale_quantize(lin._product(torch.from_numpy(x8)).numpy(), sx,
+                                       *lin._arrays(), lin.relu, 127)
+    return _output(ffn.W_2, h8, sh, xs, None if pre else res.norm)
 
 
 def _output(lin, x8: np.ndarray, x_scale: np.ndarray, resid: np.ndarray,
