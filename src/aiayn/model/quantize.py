@@ -18,8 +18,9 @@ float attention around the products runs in :func:`aiayn.model.kernels.attend` o
 over each row's own keys in an order its own lengths fix, so it does not round differently
 when the batch is padded to another length: a sentence decodes to the same tokens alone or in
 any batch (``tests/unit/test_batch_invariance.py``). Everything between the linear maps
-(embeddings, positions, LayerNorm, softmax, attention products, residuals, the caches) stays
-float32.
+(embeddings, positions, LayerNorm, softmax, attention products, residuals) stays float32; the
+decoder caches' keys and values are kept in bfloat16 where the CPU kernels read them (each
+rounded once, when written; ``kv_bf16``), since each step reads them all.
 
 Around each product, the int32 sums are rescaled (and the bias added) in one pass
 (:func:`aiayn.model.kernels.rescale`), and each self-attention's W^Q, W^K and W^V are one
