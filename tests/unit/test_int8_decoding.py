@@ -274,26 +274,30 @@ def test_the_fused_int8_step_gives_the_layers_numbers(model, beam_size, reserve)
     q = quantize_int8(model)
     fused = q.int8_step
     assert fused is not None
-    lens = torch.tensor([7, 3, 12, 5])
-
-    def search():
-        with torch.no_grad():
-            memory, mask = encode_src(q, SOURCES)
-            step = CachedStep.start(q, memory, mask, int(lens.max()) + 1 if reserve else 0)
-            if beam_size == 1:
-                return [(h.tokens, h.score) for h in greedy_search(step, lens)]
-            return [(h.tokens, h.score) for hs in beam_search(step, lens, beam_size=beam_size,
-                                                              nbest=beam_size) for h in hs]
-
     before = fused.steps
-    got = search()
+    got = _encode_and_search(q, beam_size, reserve)[2]
     assert fused.steps > before  # it ran
     q.int8_step = None  # the layers' own modules
     try:
-        ref = search()
+        ref = _encode_and_search(q, beam_size, reserve)[2]
     finally:
         q.int8_step = fused
     assert got == ref
+
+
+def _encode_and_search(q, beam_size: int, reserve: bool = True):
+    """SOURCES encoded and searched by ``q`` (greedy at beam 1, else the beam's n-best), with
+    length limits that finish sentences at different steps: (memory, mask, [(tokens, score)])."""
+    lens = torch.tensor([7, 3, 12, 5])
+    with torch.no_grad():
+        memory, mask = encode_src(q, SOURCES)
+        step = CachedStep.start(q, memory, mask, int(lens.max()) + 1 if reserve else 0)
+        if beam_size == 1:
+            hyps = [(h.tokens, h.score) for h in greedy_search(step, lens)]
+        else:
+            hyps = [(h.tokens, h.score) for hs in beam_search(step, lens, beam_size=beam_size,
+                                                              nbest=beam_size) for h in hs]
+    return memory, mask, hyps
 
 
 def test_the_fused_int8_step_leaves_recording_to_the_layers():
@@ -321,24 +325,14 @@ def test_the_fused_int8_encoder_gives_the_layers_numbers_at_every_real_position(
     q = quantize_int8(model)
     fused = q.int8_encoder
     assert fused is not None
-    lens = torch.tensor([7, 3, 12, 5])
-
-    def encode_and_search():
-        with torch.no_grad():
-            memory, mask = encode_src(q, SOURCES)
-            step = CachedStep.start(q, memory, mask, int(lens.max()) + 1)
-            hyps = [(h.tokens, h.score) for hs in beam_search(step, lens, beam_size=3, nbest=3)
-                    for h in hs]
-        return memory, mask, hyps
-
     before = fused.calls
-    memory, mask, hyps = encode_and_search()
+    memory, mask, hyps = _encode_and_search(q, beam_size=3)
     assert fused.calls == before + 1  # it ran
     assert not mask.all()  # the batch holds padding
     assert torch.equal(memory[~mask], torch.zeros_like(memory[~mask]))
     q.int8_encoder = None  # the layers' own modules
     try:
-        ref_memory, ref_mask, ref_hyps = encode_and_search()
+        ref_memory, ref_mask, ref_hyps = _encode_and_search(q, beam_size=3)
     finally:
         q.int8_encoder = fused
     assert torch.equal(mask, ref_mask)

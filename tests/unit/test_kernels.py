@@ -370,11 +370,17 @@ def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly():
     qkv = torch.from_numpy(kernels._rescale(acc, x_scale, w_scale, bias, True, False))
     want_k = qkv[:, H * D:2 * H * D].view(n, H, D).to(torch.bfloat16)
     assert torch.equal(kb16[:, :, 0].view(torch.int16), want_k.view(torch.int16))
-    x = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-39, 3e38, float("nan")])
-    out = np.zeros(x.shape[0], np.uint16)
-    kernels._put_row(out, x.numpy())
-    got16 = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
-    assert torch.equal(got16[:-1].view(torch.int16), x[:-1].to(torch.bfloat16).view(torch.int16))
+    # ties (1 + 2^-8 rounds down to even, 1 + 3 * 2^-8 up), a subnormal, a large value and
+    # a NaN, as new keys: with zero sums each key is its bias exactly
+    special = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-39, 3e38, float("nan")])
+    bias[H * D:H * D + special.numel()] = special.numpy()
+    kb16.zero_()
+    kernels._self_attention_step(np.zeros_like(acc), x_scale, w_scale, bias, True, H, D, D,
+                                 kernels.as_array(kb16), kernels.as_array(vb16), 0, rows,
+                                 np.float32(D**-0.5), 127)
+    got16 = kb16[0, :, 0].reshape(-1)[:special.numel()]
+    want16 = special.to(torch.bfloat16)
+    assert torch.equal(got16[:-1].view(torch.int16), want16[:-1].view(torch.int16))
     assert got16[-1].isnan()
     q = torch.randn(4, 1, H, D, generator=gen)
     k16 = torch.randn(2, H, 6, D, generator=gen).to(torch.bfloat16)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.model import kernels
@@ -228,9 +227,7 @@ def _layer_norm(norm, x: np.ndarray) -> np.ndarray:
     """``norm(x)`` over float32 (n, d) rows, as the module path computes it."""
     if _kernel_norm(norm):
         return kernels._layer_norm(x, *norm.arrays())
-    y = F.layer_norm(torch.from_numpy(x), norm.normalized_shape, norm.weight, norm.bias,
-                     norm.eps)
-    return y.numpy()
+    return norm(torch.from_numpy(x)).numpy()
 
 
 def _numpy_of(scratch: dict, name: str, t: Tensor) -> np.ndarray:
@@ -257,8 +254,9 @@ def _cross(scratch: dict, cache: DecoderCache, layer: int
     k, v = cache.cross[layer]
     known = scratch.get(("cross", layer))
     if known is None or known[0] is not k or known[1] is not v:
-        # each (sentence, head)'s keys made contiguous, once per batch: read every step, a
-        # split projection's strided keys (h * d_k apart) streamed worse from memory
+        # each (sentence, head)'s keys contiguous, once per batch (a bf16 cache's already
+        # are: start_cache): read every step, a split projection's strided keys (h * d_k
+        # apart) streamed worse from memory
         kc, vc = k.contiguous(), v.contiguous()
         at = np.array([kc.storage_offset(), *kc.stride()[:3], kc.shape[2],
                        vc.storage_offset(), *vc.stride()[:3]], dtype=np.int64)

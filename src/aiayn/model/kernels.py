@@ -43,6 +43,49 @@ def _njit(**options):
     return numba.njit(cache=True, nogil=True, error_model="numpy", **options)
 
 
+def _f32(x):  # pragma: no cover - replaced by its overload inside compiled code
+    """One stored element as float32: itself, or the float32 whose upper half are a bfloat16's
+    16 bits (a key or value of a bf16 cache, held as uint16)."""
+    raise NotImplementedError
+
+
+def _put(dst, src):  # pragma: no cover - replaced by its overload inside compiled code
+    """``dst[:] = src`` for a float32 row ``src``: copied, or rounded to bfloat16 (to nearest,
+    ties to even, as torch's ``.to(torch.bfloat16)`` rounds; a NaN stays a NaN) into the
+    uint16 row of a bf16 cache's bits."""
+    raise NotImplementedError
+
+
+if numba is not None:
+    from numba import types
+    from numba.extending import overload
+
+    @overload(_f32, inline="always")
+    def _f32_overload(x):  # pragma: no cover - compile time
+        if isinstance(x, types.Integer):
+            return lambda x: np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
+        return lambda x: x
+
+    @overload(_put, inline="always")
+    def _put_overload(dst, src):  # pragma: no cover - compile time
+        if isinstance(dst.dtype, types.Integer):
+            def put_bf16(dst, src):
+                bits = src.view(np.uint32)
+                for c in range(dst.shape[0]):
+                    b = bits[c]
+                    if b & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):  # NaN
+                        dst[c] = np.uint16(0x7FC0)
+                    else:
+                        dst[c] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16))
+                                                                    & np.uint32(1)))
+                                           >> np.uint32(16))
+            return put_bf16
+
+        def put_f32(dst, src):
+            dst[:] = src
+        return put_f32
+
+
 @_njit(fastmath={"reassoc"})
 def _sum(a):  # pragma: no cover - compiled
     # sum of a float32 row, in lanes; the loop stores nothing, so LLVM keeps one copy of it
@@ -149,12 +192,6 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
                     for dd in range(DV):
                         ov[dd] += w * _f32(vv[dd])
     return out
-
-
-@_njit()
-def _put_row(dst, src):  # pragma: no cover - compiled
-    # _put as a kernel of its own (tests)
-    _put(dst, src)
 
 
 @_njit()
@@ -298,9 +335,10 @@ def _self_attention_step(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, kbuf,
                          key_rows, scale, levels):  # pragma: no cover - compiled
     # One decoding step of cached self-attention after the W^QKV product: rescale the sums
     # (n, H * (2 Dk + Dv)), write each row's new key and value into buffer row r at position
-    # pos of kbuf (R, H, C, Dk) and vbuf (R, H, C, Dv) (float32, or bfloat16 bits as uint16), attend from each row's query over its
-    # keys 0 .. pos (key j of row r in buffer row key_rows[r, j]), and quantize the attention
-    # output (n, H * Dv) for W^O. The same calls, and so the same numbers, as the module path.
+    # pos of kbuf (R, H, C, Dk) and vbuf (R, H, C, Dv) (float32, or a bf16 cache's bits as
+    # uint16: _put), attend from each row's query over its keys 0 .. pos (key j of row r in
+    # buffer row key_rows[r, j]), and quantize the attention output (n, H * Dv) for W^O. The
+    # same calls, and so the same numbers, as the module path.
     n = acc.shape[0]
     qkv = _rescale(acc, x_scale, w_scale, bias, has_bias, False)
     width = qkv.shape[1]
@@ -482,48 +520,6 @@ def _beam_top(logp, live, k, G, values, index):  # pragma: no cover - compiled
 # e^-80, measured; nearer the underflow, terms too small to move a sum that holds 1), 2^n
 # made from the exponent's bits. numba's np.exp is one libm call per element, which
 # does not vectorize: 5-10x slower than torch's log_softmax over a row of logits.
-def _f32(x):  # pragma: no cover - replaced by its overload inside compiled code
-    """One stored element as float32: itself, or the float32 whose upper half are a bfloat16's
-    16 bits (a key or value of a bf16 cache, held as uint16)."""
-    raise NotImplementedError
-
-
-def _put(dst, src):  # pragma: no cover - replaced by its overload inside compiled code
-    """``dst[:] = src`` for a float32 row ``src``: copied, or rounded to bfloat16 (to nearest,
-    ties to even, as torch's ``.to(torch.bfloat16)``) into a uint16 row."""
-    raise NotImplementedError
-
-
-if numba is not None:
-    from numba import types
-    from numba.extending import overload
-
-    @overload(_f32, inline="always")
-    def _f32_overload(x):  # pragma: no cover - compile time
-        if isinstance(x, types.Integer):
-            return lambda x: np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
-        return lambda x: x
-
-    @overload(_put, inline="always")
-    def _put_overload(dst, src):  # pragma: no cover - compile time
-        if isinstance(dst.dtype, types.Integer):
-            def put_bf16(dst, src):
-                bits = src.view(np.uint32)
-                for c in range(dst.shape[0]):
-                    b = bits[c]
-                    if b & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):  # NaN
-                        dst[c] = np.uint16(0x7FC0)
-                    else:
-                        dst[c] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16))
-                                                                    & np.uint32(1)))
-                                           >> np.uint32(16))
-            return put_bf16
-
-        def put_f32(dst, src):
-            dst[:] = src
-        return put_f32
-
-
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -666,8 +662,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
     DV = v.shape[3]
     if q.stride(3) != 1:
         q = q.contiguous()
-    if k.dtype != v.dtype:
-        k, v = k.float(), v.float()
     if k.stride(3) != 1 or v.stride(3) != 1:
         k, v = k.contiguous(), v.contiguous()
     # read in place through offsets and strides: no copy of q (a slice of W_qkv's output)
