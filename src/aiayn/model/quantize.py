@@ -303,6 +303,7 @@ class KernelLayerNorm(nn.LayerNorm):
 
     @classmethod
     def from_norm(cls, norm: nn.LayerNorm) -> KernelLayerNorm:
+        """A copy of ``norm`` (its weight and bias (d,), its eps), frozen: no gradient."""
         out = cls(norm.normalized_shape, eps=norm.eps, device=norm.weight.device)
         with torch.no_grad():
             out.weight.copy_(norm.weight)
