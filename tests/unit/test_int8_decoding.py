@@ -349,3 +349,49 @@ def test_the_fused_int8_encoder_leaves_recording_to_the_layers():
     with torch.no_grad():
         encode_src(q, SOURCES)
     assert q.int8_encoder.calls == 0 and attn.weights is not None
+
+
+def test_greedy_search_chooses_as_before_through_the_greedy_kernel(model, monkeypatch):
+    """Greedy search over an int8 copy, with the output layer's greedy kernel (each row's
+    choice from the sums, no row of log-probabilities written) and without it (the
+    log-probabilities, the length rules, argmax): the same tokens and the same log-probability
+    sums, bit for bit, with EOS banned early (min_len) and forced at short limits."""
+    from aiayn.model import kernels
+
+    if not kernels.AVAILABLE:
+        pytest.skip("numba is not installed")
+    q = quantize_int8(model)
+
+    class LogProbsOnly:  # the same step without its greedy method
+        def __init__(self, step):
+            self.step, self.start_id, self.token_ids = step, step.start_id, step.token_ids
+
+        def log_probs(self, tokens):
+            return self.step.log_probs(tokens)
+
+        def __call__(self, tokens):
+            return self.step(tokens)
+
+        def select(self, index):
+            return LogProbsOnly(self.step.select(index))
+
+    real, ran = kernels.rescale_greedy, []
+
+    def counted(*args):
+        found = real(*args)
+        ran.append(found is not None)
+        return found
+
+    monkeypatch.setattr(kernels, "rescale_greedy", counted)
+    outs = []
+    for wrap in (False, True):
+        for min_len, lens in ((0, [9, 4, 12, 6]), (3, [9, 3, 12, 4])):
+            with torch.no_grad():
+                step = CachedStep.start(q, *encode_src(q, SOURCES), 13)
+                hyps = greedy_search(LogProbsOnly(step) if wrap else step,
+                                     torch.tensor(lens), min_len=min_len)
+            outs.append([(h.tokens, h.log_prob) for h in hyps])
+    assert outs[:2] == outs[2:]
+    assert ran and all(ran)  # the kernel chose every step of the first two searches
+    lengths = [len(tokens) for tokens, _ in outs[1]]
+    assert min(lengths) >= 4 and lengths[1] == 4  # EOS banned before t = 3, forced at 3

@@ -6,6 +6,7 @@ answers."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import reference
 import torch
@@ -390,3 +391,92 @@ def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly():
         got = kernels.attend(q, k16, v16, lengths, group=2)
         want = kernels.attend(q, k16.float(), v16.float(), lengths, group=2)
     assert torch.equal(got, want)
+
+
+def test_the_greedy_kernel_is_log_softmax_then_the_length_rules_then_argmax():
+    """kernels.rescale_greedy against the long way round: the output layer's log-probabilities
+    (the same sums through _rescale_log_softmax), greedy search's own length rules
+    (search._log_probs), then argmax and gather. The same column and the same float32, bit
+    for bit, on rows built to be hard: the maximum on a banned column, exact ties, near ties
+    that the subtraction of the log-sum-exp rounds into ties (the first column must win
+    there, not the larger logit), -inf entries, rows of nothing but -inf where they may
+    choose, and every combination of EOS banned (t < min_len) and EOS forced (t at the
+    limit). A NaN or an infinite maximum hands the row back (None)."""
+    from aiayn.data.vocab import EOS_ID
+    from aiayn.decoding.search import _log_probs
+
+    gen = torch.Generator().manual_seed(11)
+    M, V = 64, 300
+    acc = (torch.randn(M, V, generator=gen) * 4).numpy()  # float32 sums: y = acc exactly
+    acc[0, 0] = acc[0].max() + 5  # PAD holds the maximum (banned)
+    acc[1, [7, 40]] = acc[1].max() + 1  # an exact tie: column 7
+    for r in range(2, 40):  # near ties: y[a] just below y[b] at a < b, in flat rows (a
+        # log-sum-exp near log V, whose ulp is larger than the logits' near 0.5)
+        acc[r] *= np.float32(0.01)
+        a, b = sorted(torch.randperm(V - 3, generator=gen)[:2].tolist())
+        top = np.float32(0.5)
+        acc[r, b + 3] = top
+        below = np.nextafter(top, np.float32(-np.inf), dtype=np.float32)  # 1 ulp under
+        acc[r, a + 3] = below if r % 3 else top - np.float32(2e-7 * (r % 5))
+    acc[40, 5:] = -np.inf  # -inf entries
+    acc[41, 3:] = -np.inf  # only EOS (and the banned columns) finite
+    acc[42, EOS_ID] = acc[42].max() + 1  # EOS the maximum
+    acc[43, EOS_ID] = acc[43, 3:].max()  # EOS tied with an ordinary column: EOS
+    ones = np.ones(V, np.float32)
+    x_scale = np.ones((M, 1), np.float32)
+    out, ok = kernels._rescale_log_softmax(acc, x_scale, ones, ones, False)
+    assert ok
+    checked = 0
+    for banned in (False, True):
+        for forced in (False, True):
+            eos_banned = np.full(M, banned)
+            eos_only = np.zeros(M, np.bool_)
+            eos_only[::2] = forced
+            column = np.zeros(M, np.int64)
+            value = np.zeros(M, np.float32)
+            assert kernels._rescale_greedy(acc, x_scale, ones, ones, False, EOS_ID, eos_banned,
+                                           eos_only, column, value)
+            t = 5
+            want = _log_probs(torch.from_numpy(out.copy()), t,
+                              torch.where(torch.from_numpy(eos_only), t, t + 3),
+                              t + 1 if banned else 0)
+            col = want.argmax(dim=1)
+            assert torch.equal(torch.from_numpy(column), col)
+            assert torch.equal(torch.from_numpy(value), want.gather(1, col[:, None])[:, 0])
+            checked += 1
+    near = out[2:40]
+    # the near ties really are ties after rounding in some rows (the case the bisection is for)
+    assert sum(float(r.max()) == float(np.sort(r)[-2]) for r in near) > 20
+    for bad in (np.nan, np.inf):
+        y = acc.copy()
+        y[3, 9] = bad
+        assert not kernels._rescale_greedy(y, x_scale, ones, ones, False, EOS_ID,
+                                           np.zeros(M, np.bool_), np.zeros(M, np.bool_),
+                                           np.zeros(M, np.int64), np.zeros(M, np.float32))
+    assert checked == 4
+
+
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
+def test_the_embedding_kernel_gives_torchs_numbers(positional):
+    """A stack's input, scaled embeddings plus positions (§3.4-3.5), from the kernel and from
+    torch's lookup, product and sum: the same float32 numbers, bit for bit, for a source batch
+    and for a decoder step at an offset; a token outside the table still gets torch's
+    IndexError (the kernel hands it back)."""
+    from test_search import tiny_model  # tests/unit is on sys.path
+
+    model = tiny_model(60, seed=2, positional=positional)
+    tokens = torch.randint(0, 60, (3, 7), generator=torch.Generator().manual_seed(1))
+    got = []
+    try:
+        for enabled in (True, False):
+            if not enabled:
+                kernels.ENABLED.discard("embed")
+            with torch.inference_mode():
+                got.append((model._embed(model.src_embed, tokens),
+                            model._embed(model.tgt_embed, tokens[:, :1], offset=5)))
+    finally:
+        kernels.ENABLED.add("embed")
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert got[0][1].shape == (3, 1, model.config.d_model)
+    with torch.inference_mode(), pytest.raises(IndexError):
+        model._embed(model.src_embed, torch.tensor([[3, 60]]))

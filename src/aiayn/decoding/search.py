@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -149,6 +150,27 @@ def _log_probs(logp: Tensor, t: int, max_lens: Tensor, min_len: int,
     return logp
 
 
+def _greedy_choice(step: StepFunction, tokens: Tensor, t: int, max_lens: Tensor,
+                   min_len: int) -> tuple[Tensor, Tensor]:
+    """Each row's most likely next token under the length rules of :func:`_log_probs`: (column
+    long (n,), its log-probability float32 (n,)). From the step's own ``greedy`` where it has
+    one (:class:`CachedStep`: an int8 output layer's kernel, the same numbers without a row of
+    log-probabilities written), else the argmax of :func:`_log_probs`. Advances the rows by
+    one position."""
+    own = getattr(step, "greedy", None)
+    if own is not None and max_lens.is_cpu:
+        # the kernel bans the columns before EOS: PAD and BOS (ids 0 and 1, EOS 2)
+        rules = (EOS_ID, np.full(tokens.shape[0], t < min_len), (t >= max_lens).numpy())
+        found = own(tokens, rules)
+        if isinstance(found, tuple):
+            return found
+        logp = _log_probs(found, t, max_lens, min_len)
+    else:
+        logp = _log_probs(_next_log_probs(step, tokens), t, max_lens, min_len)
+    column = _argmax(logp)
+    return column, logp.gather(1, column[:, None]).squeeze(1)
+
+
 def _argmax(logp: Tensor) -> Tensor:
     """``logp.argmax(dim=-1)`` for (n, V) ``logp``, by :func:`aiayn.model.kernels.row_argmax`
     where it can run (the same columns, faster)."""
@@ -233,12 +255,13 @@ def greedy_search(
     while rows.numel() > 0:
         if stats is not None:
             stats.count(rows.numel())
-        logp = _log_probs(_next_log_probs(step, tokens), t, lens, min_len)  # (n, V) or V'
         if sampling is None:
-            column = _argmax(logp)
+            column, chosen_logp = _greedy_choice(step, tokens, t, lens, min_len)
         else:
+            logp = _log_probs(_next_log_probs(step, tokens), t, lens, min_len)  # (n, V) or V'
             column = _sample(logp, sampling, generator)
-        log_prob = log_prob + logp.gather(1, column[:, None]).squeeze(1)
+            chosen_logp = logp.gather(1, column[:, None]).squeeze(1)
+        log_prob = log_prob + chosen_logp
         chosen = column if ids is None else ids[column]
         history.append(chosen)
         history_rows.append(rows)
@@ -465,6 +488,16 @@ class CachedStep:
         projection = None if self.projection is None else self.projection[0]
         return self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
                                       projection, log_probs=True)[:, -1]
+
+    def greedy(self, tokens: Tensor, rules: tuple) -> tuple[Tensor, Tensor] | Tensor:
+        """Greedy search's choice under ``rules`` ((eos, eos_banned, eos_only), see
+        :func:`aiayn.model.kernels.rescale_greedy`): (column (n,), log-probability (n,)) from
+        an int8 output layer's kernel, else :meth:`log_probs`'s (n, V) or (n, V') for the
+        search to choose from. Either advances the rows by one position."""
+        projection = None if self.projection is None else self.projection[0]
+        out = self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
+                                     projection, log_probs=True, greedy=rules)
+        return out if isinstance(out, tuple) else out[:, -1]
 
     def select(self, index: Tensor) -> CachedStep:
         """The step for rows ``index``; reorders the cache in place (``select_``), so this

@@ -600,6 +600,96 @@ def _rescale_log_softmax(acc, x_scale, w_scale, bias, has_bias):  # pragma: no c
 
 
 @_njit()
+def _embed(weight, tokens, scale, table):  # pragma: no cover - compiled
+    # out[b, t] = weight[tokens[b, t]] * scale + table[t], rounded in that order (torch's
+    # ``rows * scale + positions`` over float32); (out, False) at a token outside weight's rows
+    B, T = tokens.shape
+    V, d = weight.shape
+    out = np.empty((B, T, d), np.float32)
+    for b in range(B):
+        for t in range(T):
+            tok = tokens[b, t]
+            if tok < 0 or tok >= V:
+                return out, False
+            w = weight[tok]
+            p = table[t]
+            o = out[b, t]
+            for c in range(d):
+                o[c] = w[c] * scale + p[c]
+    return out, True
+
+
+@_njit()
+def _float_of_key(k, key):  # pragma: no cover - compiled
+    # the float32 whose order key is k (not a NaN's); key: int32 (1,) scratch
+    key[0] = _order_key(np.int32(k))
+    return key.view(np.float32)[0]
+
+
+@_njit()
+def _rescale_greedy(acc, x_scale, w_scale, bias, has_bias, eos, eos_banned, eos_only,
+                    column, value):  # pragma: no cover - compiled
+    # Greedy search's choice in each row of an int8 output map, from its exact sums: the first
+    # column of the largest log-probability among those the row may take (as torch.argmax
+    # picks it), and that log-probability, each the very number _rescale_log_softmax writes,
+    # without writing the row out. The columns before `eos` (PAD, BOS) are never taken;
+    # `eos` not where eos_banned[r]; only `eos` where eos_only[r] (where eos is banned too,
+    # column 0 at -inf, torch's argmax of a row of -inf). A log-probability (y - m) - lse is
+    # a non-decreasing function of its logit y, so the largest among the ordinary columns is
+    # their largest logit's; the first column holding it is the first whose logit's order key
+    # reaches the smallest key mapped to it (found by bisection). Returns False where a row
+    # held a NaN or an infinite maximum (the caller then asks torch).
+    M, V = acc.shape
+    y = np.empty(V, np.float32)
+    mant = np.empty(V, np.float32)
+    bits = np.empty(V, np.int32)
+    key = np.empty(1, np.int32)
+    yb = y.view(np.int32)
+    neg_inf = np.float32(-np.inf)
+    for r in range(M):
+        _rescale_row(acc[r], x_scale[r, 0], w_scale, bias, has_bias, y)
+        top, low = _key_range(yb, 0, V)
+        if _has_nan(top, low) or top >= _KEY_INF or top <= -_KEY_INF - np.int32(1):
+            return False
+        m = _float_of_key(top, key)
+        yb_top = _order_key(top)  # the maximum's bits
+        lse = np.float32(np.log(_sum_exp(y, m, mant, bits)))
+        e = (y[eos] - m) - lse if not eos_banned[r] else neg_inf
+        if eos_only[r]:
+            column[r] = eos if not eos_banned[r] else 0
+            value[r] = e
+            continue
+        best = neg_inf
+        hi = np.int64(top)  # the ordinary columns' largest key: the row's, unless a special
+        if eos + 1 < V:     # column holds that (another pass, 2x the first's cost, only then)
+            for c in range(eos + 1):
+                if yb[c] == yb_top:
+                    hi = np.int64(_key_range(yb, eos + 1, V)[0])
+                    break
+            best = (_float_of_key(hi, key) - m) - lse
+        if not best > neg_inf and not e > neg_inf:
+            column[r] = 0  # every column the row may take is at -inf
+            value[r] = neg_inf
+        elif e >= best:
+            column[r] = eos  # the lower column wins a tie
+            value[r] = e
+        else:
+            lo = np.int64(-_KEY_INF - np.int32(1))  # -inf's key: its log-probability < best
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                if (_float_of_key(mid, key) - m) - lse >= best:
+                    hi = mid
+                else:
+                    lo = mid
+            for c in range(eos + 1, V):
+                if _order_key(yb[c]) >= hi:
+                    column[r] = c
+                    break
+            value[r] = best
+    return True
+
+
+@_njit()
 def _log_softmax(x):  # pragma: no cover - compiled
     # log_softmax over each row of a float32 (M, V) x; (out, ok) as _rescale_log_softmax
     M, V = x.shape
@@ -615,9 +705,11 @@ def _log_softmax(x):  # pragma: no cover - compiled
 
 #: The kernel families in use: "attention" (:func:`attend`), "int8" (:func:`quantize_rows`,
 #: :func:`rescale`), "search" (:func:`row_argmax`, :func:`beam_top`), "softmax"
-#: (:func:`rescale_log_softmax`, the output layer's) and "norm" (:func:`layer_norm`, an int8
-#: copy's LayerNorm). Benchmarks remove one to measure what it gains.
-KINDS = frozenset({"attention", "int8", "norm", "search", "softmax"})
+#: (:func:`rescale_log_softmax`, the output layer's), "greedy" (:func:`rescale_greedy`, greedy
+#: search's choice from the output layer's sums), "norm" (:func:`layer_norm`, an int8
+#: copy's LayerNorm) and "embed" (:func:`embed`, the scaled embeddings plus positions).
+#: Benchmarks remove one to measure what it gains.
+KINDS = frozenset({"attention", "embed", "greedy", "int8", "norm", "search", "softmax"})
 ENABLED = set(KINDS) if AVAILABLE else set()
 
 
@@ -752,6 +844,46 @@ def rescale_log_softmax(rows: Tensor, levels: int, product, w_scale: np.ndarray,
     return torch.from_numpy(out) if ok else None
 
 
+def embed(weight: Tensor, tokens: Tensor, scale: float, positions: Tensor) -> Tensor | None:
+    """§3.4-3.5's input of a stack in one kernel: ``weight[tokens] * scale + positions``,
+    float32 (B, T, d_model), the numbers torch's lookup, product and sum give (each rounded to
+    float32 in that order). ``weight`` float32 (V, d_model), ``tokens`` long (B, T),
+    ``positions`` float32 (T, d_model). None where a token lies outside weight's rows (the
+    caller then asks torch, which says so)."""
+    out, ok = _embed(weight.detach().numpy(), tokens.contiguous().numpy(), np.float32(scale),
+                     positions.detach().contiguous().numpy())
+    return torch.from_numpy(out) if ok else None
+
+
+def rescale_greedy(rows: Tensor, levels: int, product, w_scale: np.ndarray, bias: np.ndarray,
+                   has_bias: bool, eos: int, eos_banned: np.ndarray, eos_only: np.ndarray
+                   ) -> tuple[Tensor, Tensor] | None:
+    """Greedy search's choice from an int8 output layer (:func:`int8_linear`'s arguments, no
+    relu), without writing the log-probabilities out: for each of the M rows, the column of
+    its largest log-probability among the columns it may take, and that log-probability.
+
+    Exactly what :func:`rescale_log_softmax` followed by greedy search's length rules
+    (:func:`aiayn.decoding.search._log_probs`) and ``argmax`` gives: the same column (the first
+    of a tie) and the same float32 number. Columns below ``eos`` (PAD and BOS) are never
+    taken; column ``eos`` not where ``eos_banned[r]``; only it where ``eos_only[r]`` (where it
+    is banned too: column 0 at -inf, as ``argmax`` over a row of -inf gives).
+
+    Args:
+        eos: the end-of-sentence column; the columns before it are PAD and BOS.
+        eos_banned, eos_only: bool numpy (M,).
+
+    Returns:
+        (column long (M,), log-probability float32 (M,)), or None where a row's logits hold a
+        NaN or an infinite maximum (the caller then asks torch).
+    """
+    acc, x_scale = _sums(rows, levels, product)
+    column = torch.empty(acc.shape[0], dtype=torch.long)
+    value = torch.empty(acc.shape[0], dtype=torch.float32)
+    ok = _rescale_greedy(acc, x_scale, w_scale, bias, has_bias, eos, eos_banned, eos_only,
+                         column.numpy(), value.numpy())
+    return (column, value) if ok else None
+
+
 def log_softmax(x: Tensor) -> Tensor:
     """``F.log_softmax(x.float(), dim=-1)`` for logits x (..., V): float32 (..., V), the
     next-token log-probabilities (§3.4's softmax, in logs). Raises nothing of its own. In one
@@ -837,6 +969,7 @@ def warm_up() -> None:
                 for acc in (torch.int32, torch.float32):
                     rescale(torch.ones(2, 3, dtype=acc), s, torch.ones(3), bias, relu)
         row_argmax(torch.zeros(2, 3))
+        embed(torch.zeros(3, 4), torch.zeros(2, 1, dtype=torch.long), 2.0, torch.zeros(1, 4))
         _layer_norm(np.ones((2, 3), np.float32), np.ones(3, np.float32),
                     np.zeros(3, np.float32), np.float32(1e-6))
         _log_softmax(np.zeros((2, 3), np.float32))
@@ -844,6 +977,10 @@ def warm_up() -> None:
             for has_bias in (True, False):
                 _rescale_log_softmax(acc, np.ones((2, 1), np.float32), np.ones(3, np.float32),
                                      np.ones(3, np.float32), has_bias)
+                flags = np.zeros(2, np.bool_)
+                _rescale_greedy(acc, np.ones((2, 1), np.float32), np.ones(3, np.float32),
+                                np.ones(3, np.float32), has_bias, 2, flags, flags,
+                                np.zeros(2, np.int64), np.zeros(2, np.float32))
         beam_top(torch.zeros(4, 3), torch.zeros(2, 2), 2)
         # the fused int8 step's kernels (aiayn.model.fused), over int32 and float32 sums
         x8, xs = _quantize_rows(np.ones((2, 4), np.float32), 127)
@@ -867,6 +1004,7 @@ def warm_up() -> None:
                                np.ones(2, np.int64), np.float32(0.5), 127)
 
 
-__all__ = ["AVAILABLE", "ENABLED", "KINDS", "as_array", "attend", "beam_top", "int8_linear",
+__all__ = ["AVAILABLE", "ENABLED", "KINDS", "as_array", "attend", "beam_top", "embed",
+           "int8_linear",
            "kv_usable", "layer_norm", "log_softmax", "prefix_lengths", "quantize_rows", "rescale",
-           "rescale_log_softmax", "row_argmax", "usable", "warm_up"]
+           "rescale_greedy", "rescale_log_softmax", "row_argmax", "usable", "warm_up"]

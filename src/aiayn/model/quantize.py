@@ -242,7 +242,8 @@ class Int8Linear(nn.Module):
             if self._packed is None:  # a copy's (__getstate__)
                 self._packed = _pack(self.weight_int8)
             return _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
-        return torch._int_mm(x8, self.weight_int8.t())  # (rows, out) int32, exact
+        # (the buffer from its dict: nn.Module's __getattr__ is a Python call, every product)
+        return torch._int_mm(x8, self._buffers["weight_int8"].t())  # (rows, out) int32, exact
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, bool]:
         """The scales and bias as numpy arrays for :func:`aiayn.model.kernels.int8_linear`,
@@ -289,6 +290,23 @@ class Int8Linear(nn.Module):
                 return y.view(*shape[:-1], self.out_features)
         return kernels.log_softmax(self(rows)).view(*shape[:-1], self.out_features)
 
+    def greedy(self, x: Tensor, eos: int, eos_banned: np.ndarray, eos_only: np.ndarray
+               ) -> tuple[Tensor, Tensor] | None:
+        """Greedy search's choice over this output layer for x (n, in_features) float: (column
+        long (n,), its log-probability float32 (n,)), the numbers :meth:`log_softmax` and the
+        search's length rules give, in one kernel that writes no row of log-probabilities
+        (:func:`aiayn.model.kernels.rescale_greedy`, which says what ``eos``, ``eos_banned``
+        and ``eos_only`` rule out). None where that kernel does not run (the caller then
+        takes :meth:`log_softmax`)."""
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        if not (kernels.usable(rows, kind="greedy") and kernels.usable(rows, kind="softmax")
+                and kernels.usable(rows, kind="int8")):
+            return None
+        return kernels.rescale_greedy(rows, 127, self._product, *self._arrays(), eos,
+                                      eos_banned, eos_only)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8 weights and activations"
@@ -314,7 +332,8 @@ class KernelLayerNorm(nn.LayerNorm):
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.float32]:
         """The weight, bias and eps as the kernels take them, made once and remade only when
         the parameters are replaced."""
-        weight, bias = self.weight, self.bias
+        params = self._parameters  # not nn.Module's __getattr__: this runs every sub-layer
+        weight, bias = params["weight"], params["bias"]
         cached = getattr(self, "_numpy", None)
         if cached is None or cached[0] is not weight or cached[1] is not bias:
             cached = self._numpy = (weight, bias, weight.detach().numpy(),

@@ -575,6 +575,11 @@ class Transformer(nn.Module):
         # §3.4: embedding weights multiplied by sqrt(d_model); §3.5: positions added;
         # §5.4: dropout on the sum.
         weight = embedding.weight
+        if not self.training and kernels.usable(weight, kind="embed"):  # decoding: one pass
+            x = kernels.embed(weight, tokens, self.embed_scale,
+                              self.positions(tokens.shape[1], offset))
+            if x is not None:  # (dropout is off outside training)
+                return x
         if weight.dtype in _REDUCED and weight.requires_grad and torch.is_grad_enabled():
             rows = _LookupSummedInFloat32.apply(tokens, weight)  # bf16 weights (training)
         else:
@@ -689,7 +694,8 @@ class Transformer(nn.Module):
                                   gather=gather, kv_dtype=kv_dtype)
 
     def decode_step(self, tokens: Tensor, cache: DecoderCache, compact: bool = False,
-                    projection: nn.Module | None = None, log_probs: bool = False) -> Tensor:
+                    projection: nn.Module | None = None, log_probs: bool = False,
+                    greedy: tuple | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """Logits for the position after ``tokens``, reusing and extending ``cache``.
 
         Args:
@@ -704,11 +710,17 @@ class Transformer(nn.Module):
                 log-softmax of the logits (:func:`aiayn.model.kernels.log_softmax`), from an
                 int8 output map in one kernel
                 (:meth:`aiayn.model.quantize.Int8Linear.log_softmax`).
+            greedy: with ``log_probs`` and t_new = 1, ``(eos, eos_banned, eos_only)``, greedy
+                search's length rules (:func:`aiayn.model.kernels.rescale_greedy`): where an
+                int8 output map's kernel can, return each row's choice under them instead
+                (:meth:`aiayn.model.quantize.Int8Linear.greedy`), no row of log-probabilities
+                written; elsewhere the log-probabilities, as without it.
 
         Returns:
             logits (B, t_new, V_tgt), (B, t_new, V') with ``compact`` where
             :attr:`step_projection` is set, or (B, t_new, k) with ``projection``;
-            ``[:, -1]`` scores the next token.
+            ``[:, -1]`` scores the next token. With ``greedy``, where its kernel ran: (column
+            long (B,), log-probability float32 (B,)).
         """
         cross_mask = cache.src_mask[:, None, None, :]
         x = self._embed(self.tgt_embed, tokens, offset=cache.length)
@@ -732,6 +744,11 @@ class Transformer(nn.Module):
             return kernels.log_softmax(logits) if log_probs else logits
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
+        if log_probs and greedy is not None and tokens.shape[1] == 1:
+            pick = getattr(projection, "greedy", None)  # an int8 map's choice, in one kernel
+            found = None if pick is None else pick(x[:, -1], *greedy)
+            if found is not None:
+                return found
         if log_probs:
             fused = getattr(projection, "log_softmax", None)  # an int8 map's one kernel
             return fused(x) if fused is not None else kernels.log_softmax(projection(x))
