@@ -1005,6 +1005,6 @@ def warm_up() -> None:
 
 
 __all__ = ["AVAILABLE", "ENABLED", "KINDS", "as_array", "attend", "beam_top", "embed",
-           "int8_linear",
-           "kv_usable", "layer_norm", "log_softmax", "prefix_lengths", "quantize_rows", "rescale",
-           "rescale_greedy", "rescale_log_softmax", "row_argmax", "usable", "warm_up"]
+           "int8_linear", "kv_usable", "layer_norm", "log_softmax", "prefix_lengths",
+           "quantize_rows", "rescale", "rescale_greedy", "rescale_log_softmax", "row_argmax",
+           "usable", "warm_up"]
