@@ -477,26 +477,27 @@ class CachedStep:
     def start_id(self) -> int:
         return self.model.config.decoder_start_id
 
-    def __call__(self, tokens: Tensor) -> Tensor:
+    def _decode(self, tokens: Tensor, **output):
+        """:meth:`Transformer.decode_step` for the newest tokens (n,), over this step's cache
+        and columns (``output``: its ``log_probs`` and ``greedy``)."""
         projection = None if self.projection is None else self.projection[0]
         return self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
-                                      projection)[:, -1]  # (n, V) or (n, V')
+                                      projection, **output)
+
+    def __call__(self, tokens: Tensor) -> Tensor:
+        return self._decode(tokens)[:, -1]  # (n, V) or (n, V')
 
     def log_probs(self, tokens: Tensor) -> Tensor:
         """``log_softmax(self(tokens))``, float32 (n, V) or (n, V'): an int8 output layer's in
         one kernel (:meth:`Transformer.decode_step`'s ``log_probs``)."""
-        projection = None if self.projection is None else self.projection[0]
-        return self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
-                                      projection, log_probs=True)[:, -1]
+        return self._decode(tokens, log_probs=True)[:, -1]
 
     def greedy(self, tokens: Tensor, rules: tuple) -> tuple[Tensor, Tensor] | Tensor:
         """Greedy search's choice under ``rules`` ((eos, eos_banned, eos_only), see
         :func:`aiayn.model.kernels.rescale_greedy`): (column (n,), log-probability (n,)) from
         an int8 output layer's kernel, else :meth:`log_probs`'s (n, V) or (n, V') for the
         search to choose from. Either advances the rows by one position."""
-        projection = None if self.projection is None else self.projection[0]
-        out = self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
-                                     projection, log_probs=True, greedy=rules)
+        out = self._decode(tokens, log_probs=True, greedy=rules)
         return out if isinstance(out, tuple) else out[:, -1]
 
     def select(self, index: Tensor) -> CachedStep:
