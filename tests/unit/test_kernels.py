@@ -456,6 +456,42 @@ def test_the_greedy_kernel_is_log_softmax_then_the_length_rules_then_argmax():
     assert checked == 4
 
 
+def test_the_greedy_kernels_row_scans_agree_with_plain_ones():
+    """The two passes the greedy and log-softmax kernels make in lanes, against plain numpy:
+    the rescaling that also finds the row's largest and smallest order key (the same logits
+    as _rescale_row, bit for bit, and _key_range's keys), and the chunked search for the
+    first column whose key reaches a bound (every chunk edge, a bound no column reaches, and
+    rows holding -inf, -0.0 and a NaN)."""
+    rng = np.random.default_rng(5)
+    V = 3 * 128 + 5
+    for has_bias in (False, True):
+        acc = rng.integers(-(2**20), 2**20, V).astype(np.int32)
+        w_scale = rng.random(V).astype(np.float32)
+        bias = rng.standard_normal(V).astype(np.float32)
+        got = np.empty(V, np.float32)
+        top, low = kernels._rescale_row_range(acc, np.float32(0.37), w_scale, bias, has_bias,
+                                              got)
+        want = (acc.astype(np.float32) * np.float32(0.37)) * w_scale
+        if has_bias:
+            want = want + bias
+        assert np.array_equal(got.view(np.int32), want.view(np.int32))
+        assert (top, low) == kernels._key_range(got.view(np.int32), 0, V)
+    y = rng.standard_normal(V).astype(np.float32)
+    y[[0, 50]] = -np.inf
+    y[200] = -0.0
+    y[300] = np.nan
+    keys = np.array([kernels._order_key(b) for b in y.view(np.int32)], np.int64)
+    finite = np.where(np.isfinite(y), keys, keys.min())
+    chunk_tops = [int(finite[c:c + 128].max()) for c in range(0, V, 128)]  # the exact maxima
+    for c0 in (0, 3, 127, 128, 129):
+        for k in [int(keys[at]) for at in (c0, 127, 128, 255, 256, 257, V - 1)] + chunk_tops:
+            want_c = next((c for c in range(c0, V) if keys[c] >= k), V)
+            assert kernels._first_at_least(y.view(np.int32), c0, V, np.int32(k)) == want_c
+    k = int(keys[np.isfinite(y)].max()) + 1  # above every number's key, under the NaN's
+    assert kernels._first_at_least(y.view(np.int32), 0, 300, np.int32(k)) == 300  # none
+    assert kernels._first_at_least(y.view(np.int32), 0, V, np.int32(k)) == 300  # the NaN
+
+
 @pytest.mark.parametrize("positional", ["sinusoidal", "learned"])
 def test_the_embedding_kernel_gives_torchs_numbers(positional):
     """A stack's input, scaled embeddings plus positions (§3.4-3.5), from the kernel and from

@@ -123,7 +123,7 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
     # With key_rows (N, Tk) non-empty, key j of query row r lies in key row key_rows[r, j].
     # Rows are taken as slices, whose indices numba knows are in range: that lets LLVM
     # vectorize the loops over d (with flat indices it did not, 8x slower). The scores go
-    # four keys a pass over the query, and the exponentials in lanes (_exp_terms).
+    # four keys a pass over the query, and the exponentials in lanes (_exp_term).
     # Batch invariance rests on one rule here: LLVM gives a vectorized loop that stores into
     # one array while reading others a runtime test on their addresses, with a scalar copy
     # for when it fails; a sum (or, under fastmath, a * b + c * d, which may contract two
@@ -140,9 +140,6 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
     out = np.empty(N * Tq * H * DV, np.float32)
     T1 = max(T, 1)
     scores = np.empty(T1, np.float32)
-    mant = np.empty(T1, np.float32)
-    bits = np.empty(T1, np.int32)
-    two_n = bits.view(np.float32)
     ko = np.empty(T1, np.int64)  # where each key and value row starts
     vo = np.empty(T1, np.int64)
     by_row = key_rows.shape[0] > 0
@@ -178,9 +175,8 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
                     scores[j] = s
                     top = max(top, s)
                     j += 1
-                _exp_terms(scores[:n], top, mant[:n], bits[:n])  # exp(s - top) = mant * 2^n
-                for j in range(n):
-                    scores[j] = mant[j] * two_n[j]
+                for j in range(n):  # exp(s - top), in lanes
+                    scores[j] = _exp_term(scores[j] - top)
                 total = _sum(scores[:n])
                 inv = np.float32(1.0) / total if n > 0 else zero
                 oo = ((r * Tq + i) * H + hh) * DV
@@ -240,6 +236,29 @@ def _rescale_row(ar, sx, w_scale, bias, has_bias, yr):  # pragma: no cover - com
     else:
         for o in range(yr.shape[0]):
             yr[o] = (np.float32(ar[o]) * sx) * w_scale[o]
+
+
+@_njit(inline="always")
+def _rescale_row_range(ar, sx, w_scale, bias, has_bias, yr):  # pragma: no cover - compiled
+    # _rescale_row, returning the largest and the smallest order key of yr (_key_range's) from
+    # the same pass: integer maxima, exact in any order
+    top = _KEY_MIN
+    low = np.int32(0x7FFFFFFF)
+    if has_bias:
+        for o in range(yr.shape[0]):
+            y = (np.float32(ar[o]) * sx) * w_scale[o] + bias[o]
+            yr[o] = y
+            k = _order_key(np.float32(y).view(np.int32))
+            top = np.int32(k if k > top else top)
+            low = np.int32(k if k < low else low)
+    else:
+        for o in range(yr.shape[0]):
+            y = (np.float32(ar[o]) * sx) * w_scale[o]
+            yr[o] = y
+            k = _order_key(np.float32(y).view(np.int32))
+            top = np.int32(k if k > top else top)
+            low = np.int32(k if k < low else low)
+    return top, low
 
 
 @_njit()
@@ -396,7 +415,8 @@ def _encoder_attention(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, key_row
 
 
 _KEY_MIN = np.int32(-2147483648)
-_KEY_INF = np.int32(0x7F800000)  # the order key of +inf; -inf's is -_KEY_INF - 1
+_KEY_INF = np.int32(0x7F800000)
+_SCAN = 128  # columns a chunk in _first_at_least  # the order key of +inf; -inf's is -_KEY_INF - 1
 
 
 @_njit()
@@ -531,50 +551,44 @@ _P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.flo
 
 
 @_njit(fastmath={"contract"})
-def _exp_terms(x, m, mant, bits):  # pragma: no cover - compiled
-    # exp(x[c] - m) = mant[c] * 2^n, 2^n's float bits in bits[c] (scratch rows of x's length).
-    # 'contract' only (fused multiply-adds): reassociation would fold the rounding trick's
-    # (y + magic) - magic into y.
+def _exp_term(d):  # pragma: no cover - compiled
+    # exp(d) for one float32 d <= 0 (floored at _EXP_FLOOR): mant * 2^n. 'contract' only
+    # (fused multiply-adds): reassociation would fold the rounding trick's (y + magic) - magic
+    # into y. A function of its own, so that its instructions keep these flags where LLVM
+    # inlines it into a loop compiled with others (a sum's 'reassoc').
     magic = np.float32(12582912.0)
-    for c in range(x.shape[0]):
-        d = x[c] - m
-        d = d if d > _EXP_FLOOR else _EXP_FLOOR
-        n = (d * _LOG2E + magic) - magic  # round to nearest: d = n ln2 + r, |r| <= ln2 / 2
-        r = (d - n * _LN2_HI) - n * _LN2_LO
-        p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
-        mant[c] = (p * r) * r + r + np.float32(1.0)
-        bits[c] = (np.int32(n) + np.int32(127)) << np.int32(23)  # 2^n, n in [-126, 0]
+    d = d if d > _EXP_FLOOR else _EXP_FLOOR
+    n = (d * _LOG2E + magic) - magic  # round to nearest: d = n ln2 + r, |r| <= ln2 / 2
+    r = (d - n * _LN2_HI) - n * _LN2_LO
+    p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
+    mant = (p * r) * r + r + np.float32(1.0)
+    two_n = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)  # n>=-126
+    return mant * two_n
 
 
 @_njit(fastmath={"reassoc"})
-def _dot(a, b):  # pragma: no cover - compiled
-    # sum of a[c] * b[c], in lanes ('reassoc': the order of the additions is the vector
-    # width's, as in torch's own log_softmax)
+def _sum_exp(x, m):  # pragma: no cover - compiled
+    # sum of exp(x[c] - m) over a float32 row whose largest entry is m (finite), in lanes
+    # ('reassoc': the order of the additions is the vector width's, as in torch's own
+    # log_softmax), each term made in the same pass (_exp_term) and never stored
     s = np.float32(0.0)
-    for c in range(a.shape[0]):
-        s += a[c] * b[c]
+    for c in range(x.shape[0]):
+        s += _exp_term(x[c] - m)
     return s
 
 
 @_njit()
-def _sum_exp(x, m, mant, bits):  # pragma: no cover - compiled
-    # sum of exp(x[c] - m) over a float32 row whose largest entry is m (finite)
-    _exp_terms(x, m, mant, bits)
-    return _dot(mant, bits.view(np.float32))
-
-
-@_njit()
-def _log_softmax_row(y, out, mant, bits, key):  # pragma: no cover - compiled
-    # out = y - max(y) - log(sum exp(y - max(y))) for one float32 row; False on a NaN or an
-    # infinite maximum (the caller then asks torch). mant, bits: scratch rows of y's length;
-    # key: int32 (1,) scratch (the maximum's bits), all made once per call of the caller
+def _log_softmax_row(y, out, key, top, low):  # pragma: no cover - compiled
+    # out = y - max(y) - log(sum exp(y - max(y))) for one float32 row, whose largest and
+    # smallest order keys are top and low (_key_range's); False on a NaN or an infinite
+    # maximum (the caller then asks torch). key: int32 (1,) scratch (the maximum's bits), made
+    # once per call of the caller
     V = y.shape[0]
-    top, low = _key_range(y.view(np.int32), 0, V)
     if _has_nan(top, low) or top >= _KEY_INF or top <= -_KEY_INF - np.int32(1):
         return False  # a NaN, or an infinite maximum
     key[0] = _order_key(top)
     m = key.view(np.float32)[0]
-    lse = np.float32(np.log(_sum_exp(y, m, mant, bits)))
+    lse = np.float32(np.log(_sum_exp(y, m)))
     for c in range(V):
         out[c] = (y[c] - m) - lse
     return True
@@ -583,18 +597,16 @@ def _log_softmax_row(y, out, mant, bits, key):  # pragma: no cover - compiled
 @_njit()
 def _rescale_log_softmax(acc, x_scale, w_scale, bias, has_bias):  # pragma: no cover
     # log_softmax over each row of an int8 map's output, from its exact sums: the rescaling
-    # of _rescale (the same logits) into a scratch row that stays in cache, then max, sum of
-    # exponentials and the output in one more pass; the logits are never written out.
+    # of _rescale (the same logits), with their largest key, into a scratch row that stays in
+    # cache, then the sum of exponentials, then the output; the logits are never written out.
     # Returns (out (M, O) float32, ok): ok False where a row held a NaN or an infinity.
     M, n_out = acc.shape
     out = np.empty((M, n_out), np.float32)
     y = np.empty(n_out, np.float32)
-    mant = np.empty(n_out, np.float32)
-    bits = np.empty(n_out, np.int32)
     key = np.empty(1, np.int32)
     for r in range(M):
-        _rescale_row(acc[r], x_scale[r, 0], w_scale, bias, has_bias, y)
-        if not _log_softmax_row(y, out[r], mant, bits, key):
+        top, low = _rescale_row_range(acc[r], x_scale[r, 0], w_scale, bias, has_bias, y)
+        if not _log_softmax_row(y, out[r], key, top, low):
             return out, False
     return out, True
 
@@ -627,6 +639,21 @@ def _float_of_key(k, key):  # pragma: no cover - compiled
 
 
 @_njit()
+def _first_at_least(br, c0, c1, k):  # pragma: no cover - compiled
+    # The first c in [c0, c1) whose float32 bits br[c] have an order key >= k (c1 if none).
+    # A chunk's largest key first, in lanes (a loop that breaks early does not vectorize:
+    # a scan of a whole row cost more than the rest of the greedy kernel), then the first
+    # chunk that reaches k column by column.
+    for c in range(c0, c1, _SCAN):
+        e = min(c + _SCAN, c1)
+        if _key_range(br, c, e)[0] >= k:
+            for j in range(c, e):
+                if _order_key(br[j]) >= k:
+                    return j
+    return c1
+
+
+@_njit()
 def _rescale_greedy(acc, x_scale, w_scale, bias, has_bias, eos, eos_banned, eos_only,
                     column, value):  # pragma: no cover - compiled
     # Greedy search's choice in each row of an int8 output map, from its exact sums: the first
@@ -641,19 +668,16 @@ def _rescale_greedy(acc, x_scale, w_scale, bias, has_bias, eos, eos_banned, eos_
     # held a NaN or an infinite maximum (the caller then asks torch).
     M, V = acc.shape
     y = np.empty(V, np.float32)
-    mant = np.empty(V, np.float32)
-    bits = np.empty(V, np.int32)
     key = np.empty(1, np.int32)
     yb = y.view(np.int32)
     neg_inf = np.float32(-np.inf)
     for r in range(M):
-        _rescale_row(acc[r], x_scale[r, 0], w_scale, bias, has_bias, y)
-        top, low = _key_range(yb, 0, V)
+        top, low = _rescale_row_range(acc[r], x_scale[r, 0], w_scale, bias, has_bias, y)
         if _has_nan(top, low) or top >= _KEY_INF or top <= -_KEY_INF - np.int32(1):
             return False
         m = _float_of_key(top, key)
         yb_top = _order_key(top)  # the maximum's bits
-        lse = np.float32(np.log(_sum_exp(y, m, mant, bits)))
+        lse = np.float32(np.log(_sum_exp(y, m)))
         e = (y[eos] - m) - lse if not eos_banned[r] else neg_inf
         if eos_only[r]:
             column[r] = eos if not eos_banned[r] else 0
@@ -681,10 +705,7 @@ def _rescale_greedy(acc, x_scale, w_scale, bias, has_bias, eos, eos_banned, eos_
                     hi = mid
                 else:
                     lo = mid
-            for c in range(eos + 1, V):
-                if _order_key(yb[c]) >= hi:
-                    column[r] = c
-                    break
+            column[r] = _first_at_least(yb, eos + 1, V, np.int32(hi))
             value[r] = best
     return True
 
@@ -694,11 +715,10 @@ def _log_softmax(x):  # pragma: no cover - compiled
     # log_softmax over each row of a float32 (M, V) x; (out, ok) as _rescale_log_softmax
     M, V = x.shape
     out = np.empty((M, V), np.float32)
-    mant = np.empty(V, np.float32)
-    bits = np.empty(V, np.int32)
     key = np.empty(1, np.int32)
     for r in range(M):
-        if not _log_softmax_row(x[r], out[r], mant, bits, key):
+        top, low = _key_range(x[r].view(np.int32), 0, V)
+        if not _log_softmax_row(x[r], out[r], key, top, low):
             return out, False
     return out, True
 
