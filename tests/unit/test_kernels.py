@@ -6,6 +6,8 @@ answers."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import reference
@@ -15,6 +17,19 @@ from aiayn.model import MultiHeadAttention, kernels
 from aiayn.model.quantize import Int8Linear
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba is not installed")
+
+
+@contextlib.contextmanager
+def _without(kind: str | None):
+    """The block with kernel kind ``kind`` switched off (None: the kernels as they are), then
+    ``kernels.ENABLED`` as it was before."""
+    kept = set(kernels.ENABLED)
+    kernels.ENABLED.discard(kind)
+    try:
+        yield
+    finally:
+        kernels.ENABLED.clear()
+        kernels.ENABLED.update(kept)
 
 
 def _eq1(q, k, v, lengths, group, causal_from):
@@ -85,11 +100,8 @@ def test_rescale_and_fused_qkv_are_todays_int8_bit_for_bit():
     x = torch.randn(37, 64) * torch.logspace(-2, 2, 37)[:, None]
     maps = [torch.nn.Linear(64, 48) for _ in range(3)]
     with torch.no_grad():
-        kernels.ENABLED.discard("int8")
-        try:
+        with _without("int8"):
             torch_path = [Int8Linear.from_linear(m)(x) for m in maps]
-        finally:
-            kernels.ENABLED.add("int8")
         one_pass = [Int8Linear.from_linear(m)(x) for m in maps]
         fused = Int8Linear(torch.cat([m.weight for m in maps]),
                            torch.cat([m.bias for m in maps]))(x)
@@ -214,21 +226,16 @@ def test_the_searches_find_the_same_hypotheses_with_the_search_kernels(beam_size
     model = tiny_model(60, seed=5)
     lens = torch.tensor([9, 4, 12, 6])
     outs = []
-    try:
-        for enabled in (True, False):
-            if not enabled:
-                kernels.ENABLED.discard("search")
-            with torch.inference_mode():
-                memory, mask = encode_src(model, SOURCES)
-                step = CachedStep.start(model, memory, mask, 13)
-                if beam_size == 1:
-                    hyps = [[h] for h in greedy_search(step, lens)]
-                else:
-                    hyps = beam_search(step, lens, beam_size=beam_size, alpha=0.6,
-                                       nbest=beam_size)
-            outs.append([[(h.tokens, h.score) for h in s] for s in hyps])
-    finally:
-        kernels.ENABLED.add("search")
+    for off in (None, "search"):
+        with _without(off), torch.inference_mode():
+            memory, mask = encode_src(model, SOURCES)
+            step = CachedStep.start(model, memory, mask, 13)
+            if beam_size == 1:
+                hyps = [[h] for h in greedy_search(step, lens)]
+            else:
+                hyps = beam_search(step, lens, beam_size=beam_size, alpha=0.6,
+                                   nbest=beam_size)
+        outs.append([[(h.tokens, h.score) for h in s] for s in hyps])
     assert outs[0] == outs[1]
 
 
@@ -282,11 +289,8 @@ def test_int8_output_layer_log_softmax_is_its_logits_log_softmax(bias, packed):
         assert int(clear.sum()) > 30  # the check below covers most rows
         assert torch.equal(got.argmax(dim=-1)[clear], want.argmax(dim=-1)[clear])
         assert torch.equal(got, kernels.log_softmax(lin(x)))  # the same numbers as a float path
-        kernels.ENABLED.discard("softmax")
-        try:
+        with _without("softmax"):
             assert torch.equal(lin.log_softmax(x), want)  # torch's own, without the kernels
-        finally:
-            kernels.ENABLED.add("softmax")
 
 
 def test_layer_norm_kernel_is_torchs_within_rounding_and_row_by_row():
@@ -503,15 +507,10 @@ def test_the_embedding_kernel_gives_torchs_numbers(positional):
     model = tiny_model(60, seed=2, positional=positional)
     tokens = torch.randint(0, 60, (3, 7), generator=torch.Generator().manual_seed(1))
     got = []
-    try:
-        for enabled in (True, False):
-            if not enabled:
-                kernels.ENABLED.discard("embed")
-            with torch.inference_mode():
-                got.append((model._embed(model.src_embed, tokens),
-                            model._embed(model.tgt_embed, tokens[:, :1], offset=5)))
-    finally:
-        kernels.ENABLED.add("embed")
+    for off in (None, "embed"):
+        with _without(off), torch.inference_mode():
+            got.append((model._embed(model.src_embed, tokens),
+                        model._embed(model.tgt_embed, tokens[:, :1], offset=5)))
     assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     assert got[0][1].shape == (3, 1, model.config.d_model)
     with torch.inference_mode(), pytest.raises(IndexError):

@@ -415,8 +415,8 @@ def _encoder_attention(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, key_row
 
 
 _KEY_MIN = np.int32(-2147483648)
-_KEY_INF = np.int32(0x7F800000)
-_SCAN = 128  # columns a chunk in _first_at_least  # the order key of +inf; -inf's is -_KEY_INF - 1
+_KEY_INF = np.int32(0x7F800000)  # the order key of +inf; -inf's is -_KEY_INF - 1
+_SCAN = 128  # columns a chunk in _first_at_least
 
 
 @_njit()
