@@ -352,6 +352,30 @@ def test_attend_does_not_depend_on_where_its_inputs_lie_in_memory():
                     assert torch.equal(got, ref), (Tk, d, offset)
 
 
+def test_attend_past_the_prefetch_size_gives_each_rows_numbers_alone():
+    """A call that reads more keys and values than ``kernels.PREFETCH_BYTES`` (a core's
+    level-2 cache) prefetches each next head's; that is a hint to the CPU and moves no number:
+    every row is what it is attended alone (a call far under the size), bit for bit, and
+    eq. 1 within float32 rounding, in a float32 and a bf16 cache."""
+    torch.manual_seed(3)
+    h, d, Tk, G = 8, 64, 40, 4
+    R = kernels.PREFETCH_BYTES // (h * Tk * 2 * d * 2) + 2  # bf16: over the size
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(R * G, 1, h, d)
+        k = torch.randn(R, h, Tk + 3, d).to(dtype)[:, :, :Tk]
+        v = torch.randn(R, h, Tk + 3, d).to(dtype)[:, :, :Tk]
+        lengths = torch.randint(1, Tk + 1, (R,))
+        assert R * h * Tk * 2 * d * k.element_size() > kernels.PREFETCH_BYTES
+        with torch.no_grad():
+            got = kernels.attend(q, k, v, lengths, group=G)
+            for r in range(R):
+                alone = kernels.attend(q[r * G:(r + 1) * G], k[r:r + 1], v[r:r + 1],
+                                       lengths[r:r + 1], group=G)
+                assert torch.equal(got[r * G:(r + 1) * G], alone), (dtype, r)
+        want = _eq1(q, k.float(), v.float(), lengths, G, -1)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
 def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly():
     """The self-attention step writes new keys into a bf16 cache as torch's .to(bfloat16)
     rounds them (to nearest, ties to even; NaN stays NaN), and attention over bf16 keys and
