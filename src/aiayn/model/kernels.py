@@ -183,6 +183,20 @@ def _dot4(x, a, b, c, d):  # pragma: no cover - compiled
     return s0, s1, s2, s3
 
 
+@_njit(inline="always")
+def _axpy4(ov, v, w0, o0, w1, o1, w2, o2, w3, o3):  # pragma: no cover - compiled
+    # ov += w0 a, then += w1 b, += w2 c, += w3 d for the rows a, b, c, d of v starting at
+    # o0 .. o3: one load and store of ov for four values (ov was a chain through memory, a
+    # store then a load, at every value). Inlined into _attend: each update is one fused
+    # multiply-add onto the one before, in the order of the single updates, so the same
+    # numbers (a test holds them to eq. 1; every path is a function of the key count alone)
+    DV = ov.shape[0]
+    a, b, c, d = v[o0 : o0 + DV], v[o1 : o1 + DV], v[o2 : o2 + DV], v[o3 : o3 + DV]
+    for dd in range(DV):
+        ov[dd] = (((ov[dd] + w0 * _f32(a[dd])) + w1 * _f32(b[dd])) + w2 * _f32(c[dd])
+                  + w3 * _f32(d[dd]))
+
+
 @_njit(fastmath=True)
 def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
             key_rows):  # pragma: no cover - compiled
@@ -259,11 +273,17 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
                 oo = ((r * Tq + i) * H + hh) * DV
                 ov = out[oo : oo + DV]
                 ov[:] = zero
-                for j in range(n):
+                j = 0
+                while j + 4 <= n:  # four values a pass over ov (a load and a store each)
+                    _axpy4(ov, v, scores[j] * inv, vo[j], scores[j + 1] * inv, vo[j + 1],
+                           scores[j + 2] * inv, vo[j + 2], scores[j + 3] * inv, vo[j + 3])
+                    j += 4
+                while j < n:
                     w = scores[j] * inv
                     vv = v[vo[j] : vo[j] + DV]
                     for dd in range(DV):
                         ov[dd] += w * _f32(vv[dd])
+                    j += 1
     return out
 
 
