@@ -34,8 +34,8 @@ def main() -> int:
     p.add_argument("--without", nargs="*", default=[], metavar="LEVER",
                    help="levers to switch off, to measure one alone: a kernel family of "
                         "aiayn.model.kernels.KINDS (e.g. softmax), 'packed' (no map runs "
-                        "over a packed oneDNN weight), or 'kv-bf16' (a float32 self-attention "
-                        "cache)")
+                        "over a weight packed for FBGEMM or oneDNN), or 'kv-bf16' (a float32 "
+                        "self-attention cache)")
     args = p.parse_args()
     data = os.environ.get("AIAYN_DATA_DIR")
     if not data:
@@ -71,7 +71,7 @@ def main() -> int:
     kv_bf16 = True
     for lever in args.without:
         if lever == "packed":
-            quantize.weight_packed_faster = lambda *shape: False
+            quantize.weight_packing = lambda *shape: None
         elif lever == "kv-bf16":
             kv_bf16 = False
         elif lever in kernels.KINDS:

@@ -18,8 +18,8 @@ shared with other work, wall time measures the others as much as this; CPU time 
   the attention kernel, so it is measured beside it); ``weight layout`` (each int8 weight
   stored as ``aiayn.model.quantize.weight_columns_first`` finds faster here, not always as
   (out, in) rows); ``packed weights`` (each map whose shape
-  ``aiayn.model.quantize.weight_packed_faster`` finds faster over a prepacked weight runs in
-  oneDNN's int8 linear, not ``torch._int_mm``); ``search`` (the searches' argmax and top-k
+  ``aiayn.model.quantize.weight_packing`` finds faster over a prepacked weight runs in
+  FBGEMM's or oneDNN's int8 linear, not ``torch._int_mm``); ``search`` (the searches' argmax and top-k
   over the candidates in :func:`aiayn.model.kernels.row_argmax` and
   :func:`~aiayn.model.kernels.beam_top`, not torch's);
 - ``all``: every lever, as decoding runs by default.
@@ -95,17 +95,17 @@ def main() -> int:
         model.tgt_embed.weight.mul_(4.0)
     from aiayn.model import quantize
 
-    probes = quantize.weight_columns_first, quantize.weight_packed_faster
+    probes = quantize.weight_columns_first, quantize.weight_packing
     copies = {}
     for layout in (True, False):
         for packed in (True, False):
             if not layout:  # every weight as round 3 stored it, (out, in) rows
                 quantize.weight_columns_first = lambda *shape: False
             if not packed:  # every product in torch._int_mm
-                quantize.weight_packed_faster = lambda *shape: False
+                quantize.weight_packing = lambda *shape: None
             for fuse in (True, False):
                 copies[fuse, layout, packed] = quantize_int8(model, fuse_qkv=fuse)
-            quantize.weight_columns_first, quantize.weight_packed_faster = probes
+            quantize.weight_columns_first, quantize.weight_packing = probes
     packed_maps = sum(m.packed for m in copies[True, True, True].modules()
                       if isinstance(m, quantize.Int8Linear))
     sources = encode_sources(vocab, lines, cfg.max_len)

@@ -146,34 +146,39 @@ def test_the_int8_products_are_exact_on_this_cpu():
                        x8.int() @ q.weight_int8.int().t())
 
 
-def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit():
-    """Where this machine's oneDNN gives exact sums over a prepacked int8 weight
-    (weight_packed_faster checks that before it times anything), the packed product's outputs
-    equal ``torch._int_mm``'s bit for bit, with bias and relu, at 1, 17 and 300 rows, and in
-    a deep copy (which packs its own weight: the packed one does not copy)."""
+@pytest.mark.parametrize("kind", ["onednn", "fbgemm"])
+def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind):
+    """Where this machine's oneDNN or FBGEMM gives exact sums over a prepacked int8 weight
+    (weight_packed_faster and weight_fbgemm_faster check that before they time anything), the
+    packed product's outputs equal ``torch._int_mm``'s bit for bit, with bias and relu, at 1,
+    17 and 300 rows, and in a deep copy (which packs its own weight: the packed one does not
+    copy)."""
     import copy
 
-    from aiayn.model.quantize import _pack, _packed_product, _quantize_rows
+    from aiayn.model.quantize import _PACK, _fbgemm_product, _packed_product, _quantize_rows
 
     torch.manual_seed(0)
     q = Int8Linear.from_linear(torch.nn.Linear(512, 200))
     x8, _ = _quantize_rows(torch.randn(8, 512) * 5)
+    x8[0], x8[1] = 127, -127  # full-range rows against the full-range weight: saturation
     try:
-        exact = torch.equal(_packed_product(x8, *_pack(q.weight_int8)),
-                            torch._int_mm(x8, q.weight_int8.t()).float())
-    except (AttributeError, RuntimeError):  # torch without oneDNN's int8 linear
+        packed = _PACK[kind](q.weight_int8)
+        got = (_fbgemm_product(x8, packed) if kind == "fbgemm"
+               else _packed_product(x8, *packed))
+        exact = torch.equal(got, torch._int_mm(x8, q.weight_int8.t()).float())
+    except (AttributeError, RuntimeError):  # torch without the op
         exact = False
     if not exact:
-        pytest.skip("oneDNN's packed int8 product is missing or not exact on this CPU")
+        pytest.skip(f"{kind}'s packed int8 product is missing or not exact on this CPU")
     for relu in (False, True):
         q.relu = relu
         with torch.inference_mode():
-            q._set_packed(False)
+            q._set_packing(None)
             want = [q(torch.randn(m, 512, generator=torch.Generator().manual_seed(m)))
                     for m in (1, 17, 300)]
-            q._set_packed(True)
+            q._set_packing(kind)
             copied = copy.deepcopy(q)
-            assert copied.packed and copied._packed is None
+            assert copied.packing == kind and copied._packed is None
             for m, w in zip((1, 17, 300), want):
                 x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
                 assert torch.equal(q(x), w) and torch.equal(copied(x), w)

@@ -8,7 +8,7 @@ encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Lin
 - activations: symmetric int8 with one scale per *input row* (per token, per beam row), made
   at each call from that row alone (``x ~ s_x[r] * x8[r, :]``);
 - the product ``x8 @ W8^T`` runs in ``torch._int_mm`` with int32 accumulation, which is exact,
-  or, for a shape where :func:`weight_packed_faster` finds it faster on this machine, in
+  or, for a shape where :func:`weight_packing` finds it faster on this machine, in FBGEMM's or
   oneDNN's int8 linear over a weight packed once (the same exact sums, as float32); then
   ``y = s_x[r] * s_w[o] * acc + b``.
 
@@ -117,6 +117,88 @@ def _pack(w8: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             torch.zeros(n, dtype=torch.long))
 
 
+def _fbgemm_product(x8: Tensor, packed) -> Tensor:
+    """``x8 @ W8^T`` as float32 (rows, out) through FBGEMM's int8 linear over a weight packed
+    by :func:`_pack_fbgemm`: the activations enter as unsigned bytes ``x8 + 128`` (zero point
+    128, scale 1: FBGEMM quantizes the float copy of ``x8`` to exactly those), the weight with
+    scale 1 and zero point 0, so each output is the exact int32 sum (FBGEMM subtracts the
+    zero point's share with its column sums, kept with the packed weight) converted to
+    float32, as :func:`_packed_product`'s are."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        x8.float(), 1.0, 128, packed)
+
+
+def _pack_fbgemm(w8: Tensor):
+    """FBGEMM's packed form of an int8 (out, in) weight (its column sums included), for
+    :func:`_fbgemm_product`. torch's quantized tensors, which the packing takes, are
+    deprecated; torch is pinned (pyproject.toml), and :func:`weight_packing` falls back to
+    ``torch._int_mm`` where the op is missing or fails."""
+    import warnings
+
+    engine = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "fbgemm"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            weight = torch._make_per_tensor_quantized_tensor(w8.contiguous(), 1.0, 0)
+            return torch.ops.quantized.linear_prepack(weight, None)
+    finally:
+        torch.backends.quantized.engine = engine
+
+
+@functools.cache
+def weight_fbgemm_faster(in_features: int, out_features: int) -> bool:
+    """Whether FBGEMM's int8 linear over a weight packed once (:func:`_fbgemm_product`) runs
+    this shape faster here than ``torch._int_mm`` in the layout :func:`weight_columns_first`
+    picks, and gives its exact sums.
+
+    Measured once per shape and process, as :func:`weight_packed_faster` measures oneDNN's
+    packed path: products of 32 and of 256 rows, each path's fastest of five, summed; FBGEMM
+    must win by 10%. Where the CPU has no VNNI (the AVX2 class), oneDNN's int8 product
+    reworks the whole weight at every call (a product of one row cost a third of one of 32
+    rows), and FBGEMM, which packs it once, ran the `multi30k` output layer (32 x 256 x
+    8,000) 3.9x faster (simulated on the family-26 EPYC: 180 against 708 us). On the bf16
+    class it ran level or slower (docs/benchmarks.md). False where torch lacks the engine or
+    the op, it fails, or it gives other sums (checked on full-range inputs, where an int16
+    pair sum would saturate)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines or not hasattr(
+            torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"):
+        return False
+    levels = weight_levels()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-levels, levels + 1, (out_features, in_features), dtype=torch.int8,
+                      generator=gen)
+    w[0], w[1] = levels, -levels  # full-range rows against full-range inputs: saturation
+    wt = w.t().contiguous() if weight_columns_first(in_features, out_features) else w.t()
+    xs = [torch.randint(-127, 128, (m, in_features), dtype=torch.int8, generator=gen)
+          for m in (32, 256)]
+    xs[0][0], xs[0][1] = 127, -127
+    try:
+        packed = _pack_fbgemm(w)
+        for x in xs:
+            if not torch.equal(_fbgemm_product(x, packed), torch._int_mm(x, wt).float()):
+                return False
+    except RuntimeError:  # pragma: no cover - a torch built without FBGEMM's kernels
+        return False
+    best = _fastest([lambda x=x: torch._int_mm(x, wt) for x in xs]
+                    + [lambda x=x: _fbgemm_product(x, packed) for x in xs])
+    return sum(best[len(xs):]) < 0.9 * sum(best[: len(xs)])
+
+
+def weight_packing(in_features: int, out_features: int) -> str | None:
+    """How an int8 map of this shape runs its product here, by measurement: "fbgemm"
+    (:func:`weight_fbgemm_faster`), "onednn" (:func:`weight_packed_faster`), or None
+    (``torch._int_mm`` over the weight as stored). All three give the same exact sums."""
+    if weight_fbgemm_faster(in_features, out_features):
+        return "fbgemm"
+    if weight_packed_faster(in_features, out_features):
+        return "onednn"
+    return None
+
+
+_PACK = {"onednn": _pack, "fbgemm": _pack_fbgemm}  # packing -> its packer
+
+
 # the packed path is dropped at once where one call of it is this many times _int_mm's
 PACKED_SCREEN_SLOWER = 4.0
 
@@ -194,17 +276,24 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.relu = False  # max(0, y) after the bias (the FFN's first map: quantize_int8)
         self._numpy = None  # (_arrays)
-        self._set_packed(w8.device.type == "cpu"
-                         and weight_packed_faster(self.in_features, self.out_features))
+        self._set_packing(weight_packing(self.in_features, self.out_features)
+                          if w8.device.type == "cpu" else None)
+
+    def _set_packing(self, kind: str | None) -> None:
+        """Run the product over a weight packed now for ``kind`` ("onednn", "fbgemm":
+        :func:`weight_packing`), or through ``torch._int_mm`` (None)."""
+        self.packing = kind
+        self.packed = kind is not None
+        self._packed = None if kind is None else _PACK[kind](self.weight_int8)
 
     def _set_packed(self, on: bool) -> None:
-        """Run the product over a weight packed now (:func:`weight_packed_faster`), or not."""
-        self.packed = on
-        self._packed = _pack(self.weight_int8) if on else None
+        """Run the product over a weight packed now for oneDNN (:func:`weight_packed_faster`),
+        or not."""
+        self._set_packing("onednn" if on else None)
 
     def __getstate__(self) -> dict:
-        # the packed weight is an opaque oneDNN tensor, which neither copies nor pickles: a
-        # copy packs its own at its first product
+        # the packed weight is an opaque oneDNN tensor or FBGEMM object, which neither copies
+        # nor pickles: a copy packs its own at its first product
         state = self.__dict__.copy()
         state["_packed"] = None
         state["_numpy"] = None  # views of this module's buffers, not of the copy's
@@ -219,8 +308,8 @@ class Int8Linear(nn.Module):
         """The map onto output rows ``index`` (long (k,)) only: the same int8 rows and scales,
         so each output is this map's bit for bit (a vocabulary shortlist's output layer).
         Its product runs in ``torch._int_mm`` (packing costs milliseconds: a shortlist makes a
-        map per batch), unless ``pack``, where :func:`weight_packed_faster` says so for its
-        shape (a map made once)."""
+        map per batch), unless ``pack``, where :func:`weight_packing` says so for its shape (a
+        map made once)."""
         out = Int8Linear.__new__(Int8Linear)
         nn.Module.__init__(out)
         w8 = self.weight_int8[index]
@@ -232,15 +321,18 @@ class Int8Linear(nn.Module):
         out.register_buffer("bias", None if self.bias is None else self.bias[index])
         out.relu = self.relu
         out._numpy = None
-        out._set_packed(pack and w8.device.type == "cpu"
-                        and weight_packed_faster(out.in_features, out.out_features))
+        out._set_packing(weight_packing(out.in_features, out.out_features)
+                         if pack and w8.device.type == "cpu" else None)
         return out
 
     def _product(self, x8: Tensor) -> Tensor:
         """The exact sums ``x8 @ W8^T`` (rows, out): int32, or float32 over a packed weight."""
         if self.packed and x8.device.type == "cpu":
+            kind = getattr(self, "packing", "onednn")  # (a module pickled before FBGEMM)
             if self._packed is None:  # a copy's (__getstate__)
-                self._packed = _pack(self.weight_int8)
+                self._packed = _PACK[kind](self.weight_int8)
+            if kind == "fbgemm":
+                return _fbgemm_product(x8, self._packed)  # (rows, out) float32, exact sums
             return _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
         # (the buffer from its dict: nn.Module's __getattr__ is a Python call, every product)
         return torch._int_mm(x8, self._buffers["weight_int8"].t())  # (rows, out) int32, exact
@@ -310,7 +402,8 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8 weights and activations"
-                + (", packed weight" if self.packed else ""))
+                + (f", packed weight ({getattr(self, 'packing', 'onednn')})" if self.packed
+                   else ""))
 
 
 class KernelLayerNorm(nn.LayerNorm):
@@ -447,4 +540,4 @@ def _fusable(q: nn.Module, encoder: bool = False) -> bool:
 
 
 __all__ = ["Int8Linear", "KernelLayerNorm", "quantize_int8", "weight_columns_first",
-           "weight_packed_faster"]
+           "weight_fbgemm_faster", "weight_packed_faster", "weight_packing"]
