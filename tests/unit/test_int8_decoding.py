@@ -149,7 +149,7 @@ def test_the_int8_products_are_exact_on_this_cpu():
 @pytest.mark.parametrize("kind", ["onednn", "fbgemm"])
 def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind):
     """Where this machine's oneDNN or FBGEMM gives exact sums over a prepacked int8 weight
-    (weight_packed_faster and weight_fbgemm_faster check that before they time anything), the
+    (weight_packed_faster and weight_fbgemm_rows check that before they time anything), the
     packed product's outputs equal ``torch._int_mm``'s bit for bit, with bias and relu, at 1,
     17 and 300 rows, and in a deep copy (which packs its own weight: the packed one does not
     copy)."""
@@ -176,7 +176,7 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind):
             q._set_packing(None)
             want = [q(torch.randn(m, 512, generator=torch.Generator().manual_seed(m)))
                     for m in (1, 17, 300)]
-            q._set_packing(kind)
+            q._set_packing(kind, rows=1 << 62)  # every product packed, whatever is faster
             copied = copy.deepcopy(q)
             assert copied.packing == kind and copied._packed is None
             for m, w in zip((1, 17, 300), want):

@@ -146,24 +146,30 @@ def _pack_fbgemm(w8: Tensor):
         torch.backends.quantized.engine = engine
 
 
-@functools.cache
-def weight_fbgemm_faster(in_features: int, out_features: int) -> bool:
-    """Whether FBGEMM's int8 linear over a weight packed once (:func:`_fbgemm_product`) runs
-    this shape faster here than ``torch._int_mm`` in the layout :func:`weight_columns_first`
-    picks, and gives its exact sums.
+#: the row counts at which :func:`weight_fbgemm_rows` times FBGEMM against torch._int_mm: a
+#: greedy step's 32 sentences, a beam-4 step's 128 rows, an encoder batch's tokens
+FBGEMM_PROBE_ROWS = (32, 128, 256)
 
-    Measured once per shape and process, as :func:`weight_packed_faster` measures oneDNN's
-    packed path: products of 32 and of 256 rows, each path's fastest of five, summed; FBGEMM
-    must win by 10%. Where the CPU has no VNNI (the AVX2 class), oneDNN's int8 product
-    reworks the whole weight at every call (a product of one row cost a third of one of 32
-    rows), and FBGEMM, which packs it once, ran the `multi30k` output layer (32 x 256 x
-    8,000) 3.9x faster (simulated on the family-26 EPYC: 180 against 708 us). On the bf16
-    class it ran level or slower (docs/benchmarks.md). False where torch lacks the engine or
-    the op, it fails, or it gives other sums (checked on full-range inputs, where an int16
-    pair sum would saturate)."""
+
+@functools.cache
+def weight_fbgemm_rows(in_features: int, out_features: int) -> int:
+    """Up to how many rows FBGEMM's int8 linear over a weight packed once
+    (:func:`_fbgemm_product`) runs this shape faster here than ``torch._int_mm`` in the layout
+    :func:`weight_columns_first` picks: 0 (never), one of :data:`FBGEMM_PROBE_ROWS`, or a
+    very large number (at every size measured). Both give the same exact sums, so a map may
+    take either path call by call, by its row count, without changing a number.
+
+    Measured once per shape and process: each path's fastest of five at each probe size;
+    FBGEMM must win by 10% at that size and every smaller one. Without VNNI (the AVX2 class)
+    oneDNN's int8 product reworks the whole weight at every call, about a third of a 32-row
+    product's time, while FBGEMM packs it once: simulated on the family-26 EPYC
+    (``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``), 32 x 256 x 8,000 took 566 against 733 us, but
+    256 rows ran level (docs/benchmarks.md). On the bf16 class it ran level or slower. 0
+    where torch lacks the engine or the op, it fails, or it gives other sums (checked on
+    full-range inputs, where an int16 pair sum would saturate)."""
     if "fbgemm" not in torch.backends.quantized.supported_engines or not hasattr(
             torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"):
-        return False
+        return 0
     levels = weight_levels()
     gen = torch.Generator().manual_seed(0)
     w = torch.randint(-levels, levels + 1, (out_features, in_features), dtype=torch.int8,
@@ -171,25 +177,30 @@ def weight_fbgemm_faster(in_features: int, out_features: int) -> bool:
     w[0], w[1] = levels, -levels  # full-range rows against full-range inputs: saturation
     wt = w.t().contiguous() if weight_columns_first(in_features, out_features) else w.t()
     xs = [torch.randint(-127, 128, (m, in_features), dtype=torch.int8, generator=gen)
-          for m in (32, 256)]
+          for m in FBGEMM_PROBE_ROWS]
     xs[0][0], xs[0][1] = 127, -127
     try:
         packed = _pack_fbgemm(w)
         for x in xs:
             if not torch.equal(_fbgemm_product(x, packed), torch._int_mm(x, wt).float()):
-                return False
+                return 0
     except RuntimeError:  # pragma: no cover - a torch built without FBGEMM's kernels
-        return False
-    best = _fastest([lambda x=x: torch._int_mm(x, wt) for x in xs]
-                    + [lambda x=x: _fbgemm_product(x, packed) for x in xs])
-    return sum(best[len(xs):]) < 0.9 * sum(best[: len(xs)])
+        return 0
+    rows = 0
+    for x in xs:
+        mm, fb = _fastest([lambda: torch._int_mm(x, wt), lambda: _fbgemm_product(x, packed)])
+        if not fb < 0.9 * mm:
+            break
+        rows = x.shape[0]
+    return rows if rows < FBGEMM_PROBE_ROWS[-1] else 1 << 62
 
 
 def weight_packing(in_features: int, out_features: int) -> str | None:
     """How an int8 map of this shape runs its product here, by measurement: "fbgemm"
-    (:func:`weight_fbgemm_faster`), "onednn" (:func:`weight_packed_faster`), or None
-    (``torch._int_mm`` over the weight as stored). All three give the same exact sums."""
-    if weight_fbgemm_faster(in_features, out_features):
+    (:func:`weight_fbgemm_rows`: up to that many rows; ``torch._int_mm`` above), "onednn"
+    (:func:`weight_packed_faster`), or None (``torch._int_mm`` over the weight as stored).
+    All three give the same exact sums."""
+    if weight_fbgemm_rows(in_features, out_features):
         return "fbgemm"
     if weight_packed_faster(in_features, out_features):
         return "onednn"
@@ -279,12 +290,17 @@ class Int8Linear(nn.Module):
         self._set_packing(weight_packing(self.in_features, self.out_features)
                           if w8.device.type == "cpu" else None)
 
-    def _set_packing(self, kind: str | None) -> None:
+    def _set_packing(self, kind: str | None, rows: int | None = None) -> None:
         """Run the product over a weight packed now for ``kind`` ("onednn", "fbgemm":
-        :func:`weight_packing`), or through ``torch._int_mm`` (None)."""
+        :func:`weight_packing`), or through ``torch._int_mm`` (None). FBGEMM's runs products
+        of up to ``rows`` rows (default :func:`weight_fbgemm_rows`'s), ``torch._int_mm`` the
+        larger ones."""
         self.packing = kind
         self.packed = kind is not None
         self._packed = None if kind is None else _PACK[kind](self.weight_int8)
+        if kind == "fbgemm" and rows is None:
+            rows = weight_fbgemm_rows(self.in_features, self.out_features)
+        self.fbgemm_rows = rows if kind == "fbgemm" else 0
 
     def _set_packed(self, on: bool) -> None:
         """Run the product over a weight packed now for oneDNN (:func:`weight_packed_faster`),
@@ -331,9 +347,10 @@ class Int8Linear(nn.Module):
             kind = getattr(self, "packing", "onednn")  # (a module pickled before FBGEMM)
             if self._packed is None:  # a copy's (__getstate__)
                 self._packed = _PACK[kind](self.weight_int8)
-            if kind == "fbgemm":
+            if kind != "fbgemm":
+                return _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
+            if x8.shape[0] <= self.fbgemm_rows:
                 return _fbgemm_product(x8, self._packed)  # (rows, out) float32, exact sums
-            return _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
         # (the buffer from its dict: nn.Module's __getattr__ is a Python call, every product)
         return torch._int_mm(x8, self._buffers["weight_int8"].t())  # (rows, out) int32, exact
 
@@ -540,4 +557,4 @@ def _fusable(q: nn.Module, encoder: bool = False) -> bool:
 
 
 __all__ = ["Int8Linear", "KernelLayerNorm", "quantize_int8", "weight_columns_first",
-           "weight_fbgemm_faster", "weight_packed_faster", "weight_packing"]
+           "weight_fbgemm_rows", "weight_packed_faster", "weight_packing"]
