@@ -28,7 +28,9 @@ CTranslate2's ISA variants left out). On a CPU without AVX-512 the AVX512 varian
 would die of an illegal instruction); on a simulated AVX2 class CTranslate2 runs with
 ``CT2_FORCE_CPU_ISA=AVX2`` (its own kernels held to AVX2, as its oneDNN products are by
 ``ONEDNN_MAX_CPU_ISA``; aiayn's numba kernels compile for the host CPU unless
-``NUMBA_CPU_NAME=znver3`` holds them to AVX2 too, which a faithful simulation sets); and on a
+``NUMBA_CPU_NAME=znver3`` holds them to AVX2 too, and FBGEMM, which aiayn's int8 copy runs
+for the maps a probe finds faster there, picks AVX-512 unless ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``:
+a faithful simulation sets both); and on a
 CPU without native bf16 the bf16 systems are skipped (emulated bf16 runs 5-45x slower than
 fp32 there).
 
@@ -252,10 +254,14 @@ def main() -> int:
             "cpu_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "cpu_class": _cpu_class(torch),
             "numba_cpu": os.environ.get("NUMBA_CPU_NAME") or "host",
+            "fbgemm_isa": os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") or "host",
             "note": "measured on a shared 2-core machine: compare ratios within one run"}
     if "simulated" in info["cpu_class"] and not os.environ.get("NUMBA_CPU_NAME"):
         print("note: aiayn's numba kernels compile for this CPU whatever torch is held to; "
               "set NUMBA_CPU_NAME=znver3 (or haswell) to hold them to AVX2 too", flush=True)
+    if "simulated" in info["cpu_class"] and not os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS"):
+        print("note: FBGEMM (aiayn's packed int8 maps, where faster) picks its kernels from "
+              "this CPU; set FBGEMM_ENABLE_INSTRUCTIONS=AVX2 to hold it to AVX2 too", flush=True)
     try:
         import ctranslate2
         import transformers
