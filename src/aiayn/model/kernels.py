@@ -141,9 +141,9 @@ def _level2_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
 
 #: :func:`_attend` prefetches each next head's keys and values where one call reads more than
 #: this (a core's level-2 cache): there, each query's few keys came from memory one miss at a
-#: time (base, beam 4: +6% end to end), while a call within it ran 2-4% slower with the extra
-#: instructions (docs/benchmarks.md). A constant of the compiled code (numba's cache is this
-#: machine's).
+#: time (base, beam 4: +7-10% end to end), while calls within it ran 4-7% slower with the
+#: extra instructions (multi30k greedy; docs/benchmarks.md). A constant of the compiled code
+#: (numba's cache is this machine's).
 PREFETCH_BYTES = _level2_bytes()
 
 

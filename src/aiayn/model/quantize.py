@@ -161,8 +161,8 @@ def weight_fbgemm_rows(in_features: int, out_features: int) -> int:
 
     Measured once per shape and process: each path's fastest of five at each probe size;
     FBGEMM must win by 10% at that size and every smaller one. Without VNNI (the AVX2 class)
-    oneDNN's int8 product reworks the whole weight at every call, about a third of a 32-row
-    product's time, while FBGEMM packs it once: simulated on the family-26 EPYC
+    ``torch._int_mm`` spent about a third of a 32-row product's time on a product of one row
+    (oneDNN appears to rework the whole weight at every call), while FBGEMM packs it once: simulated on the family-26 EPYC
     (``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``), 32 x 256 x 8,000 took 566 against 733 us, but
     256 rows ran level (docs/benchmarks.md). On the bf16 class it ran level or slower. 0
     where torch lacks the engine or the op, it fails, or it gives other sums (checked on
@@ -344,7 +344,7 @@ class Int8Linear(nn.Module):
     def _product(self, x8: Tensor) -> Tensor:
         """The exact sums ``x8 @ W8^T`` (rows, out): int32, or float32 over a packed weight."""
         if self.packed and x8.device.type == "cpu":
-            kind = getattr(self, "packing", "onednn")  # (a module pickled before FBGEMM)
+            kind = self.packing
             if self._packed is None:  # a copy's (__getstate__)
                 self._packed = _PACK[kind](self.weight_int8)
             if kind != "fbgemm":
@@ -419,8 +419,7 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8 weights and activations"
-                + (f", packed weight ({getattr(self, 'packing', 'onednn')})" if self.packed
-                   else ""))
+                + (f", packed weight ({self.packing})" if self.packed else ""))
 
 
 class KernelLayerNorm(nn.LayerNorm):
