@@ -44,20 +44,26 @@ def post(url, path, body, **kw):
     return httpx.post(url + path, json=body, timeout=30, **kw)
 
 
+def get(url, path, **kw):
+    """A GET with the posts' 30 s timeout: httpx's default 5 s timed out once on the first
+    request, with the whole suite running on 2 cores."""
+    return httpx.get(url + path, timeout=30, **kw)
+
+
 def test_health_info_page_and_unknown_paths(url, loaded):
     model, config, vocab = loaded
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
-    info = httpx.get(url + "/info").json()
+    assert get(url, "/health").json() == {"status": "ok"}
+    info = get(url, "/info").json()
     assert info["model"]["N"] == config.model.N and info["model"]["h"] == config.model.h
     assert info["vocab_size"] == len(vocab)
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
     assert info["limits"]["max_lines"] == 4
     assert info["shortlist"] is None
-    page = httpx.get(url + "/")
+    page = get(url, "/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert 'id="translate"' in page.text
-    assert httpx.get(url + "/nowhere").status_code == 404
-    assert httpx.get(url + "/translate").status_code == 405
+    assert get(url, "/nowhere").status_code == 404
+    assert get(url, "/translate").status_code == 405
 
 
 def test_translate_answers_what_the_translator_gives(url, loaded):
@@ -88,7 +94,7 @@ def test_two_decoding_processes_answer_what_the_translator_gives(loaded):
     lines = ["Two dogs play in the snow.", "A man rides a bike.", "A red shirt.",
              "Zwei Hunde spielen.", "A dog.", "Two men ride bikes in the snow."]
     with serve_in_thread(app) as base:
-        assert httpx.get(base + "/info").json()["workers"] == 2
+        assert get(base, "/info").json()["workers"] == 2
         asked = [in_thread(lambda pair=lines[i : i + 2]: post(base, "/translate",
                                                               {"lines": pair, "beam": 3}))
                  for i in range(0, len(lines), 2)]
