@@ -19,8 +19,8 @@ shared with other work, wall time measures the others as much as this; CPU time 
   stored as ``aiayn.model.quantize.weight_columns_first`` finds faster here, not always as
   (out, in) rows); ``packed weights`` (each map whose shape
   ``aiayn.model.quantize.weight_packing`` finds faster over a prepacked weight runs in
-  FBGEMM's or oneDNN's int8 linear, not ``torch._int_mm``); ``search`` (the searches' argmax and top-k
-  over the candidates in :func:`aiayn.model.kernels.row_argmax` and
+  FBGEMM's or oneDNN's int8 linear, not ``torch._int_mm``); ``search`` (the searches' argmax
+  and top-k over the candidates in :func:`aiayn.model.kernels.row_argmax` and
   :func:`~aiayn.model.kernels.beam_top`, not torch's);
 - ``all``: every lever, as decoding runs by default.
 

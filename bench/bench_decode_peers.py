@@ -29,10 +29,9 @@ would die of an illegal instruction); on a simulated AVX2 class CTranslate2 runs
 ``CT2_FORCE_CPU_ISA=AVX2`` (its own kernels held to AVX2, as its oneDNN products are by
 ``ONEDNN_MAX_CPU_ISA``; aiayn's numba kernels compile for the host CPU unless
 ``NUMBA_CPU_NAME=znver3`` holds them to AVX2 too, and FBGEMM, which aiayn's int8 copy runs
-for the maps a probe finds faster there, picks AVX-512 unless ``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``:
-a faithful simulation sets both); and on a
-CPU without native bf16 the bf16 systems are skipped (emulated bf16 runs 5-45x slower than
-fp32 there).
+for the maps a probe finds faster there, picks AVX-512 unless
+``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``: a faithful simulation sets both); and on a CPU without
+native bf16 the bf16 systems are skipped (emulated bf16 runs 5-45x slower than fp32 there).
 
 With ``--threads T`` >= 2, each engine also runs at its own best layout for T cores:
 CTranslate2 int8 with ``inter_threads=T, intra_threads=1`` (T one-thread translators over one

@@ -151,8 +151,9 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind):
     """Where this machine's oneDNN or FBGEMM gives exact sums over a prepacked int8 weight
     (weight_packed_faster and weight_fbgemm_rows check that before they time anything), the
     packed product's outputs equal ``torch._int_mm``'s bit for bit, with bias and relu, at 1,
-    17 and 300 rows, and in a deep copy (which packs its own weight: the packed one does not
-    copy)."""
+    17 and 300 rows, in a deep copy (which packs its own weight: the packed one does not
+    copy), and for FBGEMM where a map takes it up to some row count and ``torch._int_mm``
+    above."""
     import copy
 
     from aiayn.model.quantize import _PACK, _fbgemm_product, _packed_product, _quantize_rows
@@ -176,12 +177,15 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind):
             q._set_packing(None)
             want = [q(torch.randn(m, 512, generator=torch.Generator().manual_seed(m)))
                     for m in (1, 17, 300)]
-            q._set_packing(kind, rows=1 << 62)  # every product packed, whatever is faster
-            copied = copy.deepcopy(q)
-            assert copied.packing == kind and copied._packed is None
-            for m, w in zip((1, 17, 300), want):
-                x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-                assert torch.equal(q(x), w) and torch.equal(copied(x), w)
+            # FBGEMM for every product (whatever is faster here), then up to 17 rows only,
+            # torch._int_mm above: one map taking both paths by its row count
+            for rows in ((1 << 62, 17) if kind == "fbgemm" else (None,)):
+                q._set_packing(kind, rows=rows)
+                copied = copy.deepcopy(q)
+                assert copied.packing == kind and copied._packed is None
+                for m, w in zip((1, 17, 300), want):
+                    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+                    assert torch.equal(q(x), w) and torch.equal(copied(x), w)
 
 
 def test_a_packed_product_far_slower_than_int_mm_is_screened_out_in_two_calls(monkeypatch):

@@ -278,7 +278,7 @@ def test_int8_output_layer_log_softmax_is_its_logits_log_softmax(bias, packed):
     gen = torch.Generator().manual_seed(7)
     lin = Int8Linear(torch.randn(600, 64, generator=gen),
                      torch.randn(600, generator=gen) if bias else None)
-    lin._set_packed(packed)
+    lin._set_packing("onednn" if packed else None)
     x = torch.randn(40, 64, generator=gen) * 3
     with torch.inference_mode():
         want = torch.log_softmax(lin(x), dim=-1)
@@ -374,6 +374,27 @@ def test_attend_past_the_prefetch_size_gives_each_rows_numbers_alone():
                 assert torch.equal(got[r * G:(r + 1) * G], alone), (dtype, r)
         want = _eq1(q, k.float(), v.float(), lengths, G, -1)
         torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_the_prefetch_size_is_the_level2_cache_sysfs_states(tmp_path):
+    """kernels.PREFETCH_BYTES comes from Linux's cache description: the level-2 entry's size
+    (in K or M, whichever index it sits at), and 1 MiB where the folder is missing or its
+    size cannot be read."""
+    def cache(sizes):
+        root = tmp_path / f"cache{len(list(tmp_path.iterdir()))}"
+        for i, (level, size) in enumerate(sizes):
+            (root / f"index{i}").mkdir(parents=True)
+            (root / f"index{i}" / "level").write_text(f"{level}\n")
+            (root / f"index{i}" / "size").write_text(f"{size}\n")
+        return str(root)
+
+    assert kernels._level2_bytes(cache([(1, "48K"), (1, "32K"), (2, "1024K"),
+                                        (3, "32768K")])) == 1 << 20
+    assert kernels._level2_bytes(cache([(1, "32K"), (2, "2M")])) == 2 << 20
+    assert kernels._level2_bytes(cache([(1, "32K"), (2, "512K")])) == 512 << 10
+    assert kernels._level2_bytes(cache([(2, "lots")])) == 1 << 20
+    assert kernels._level2_bytes(cache([(1, "32K"), (3, "8M")])) == 1 << 20  # no level 2
+    assert kernels._level2_bytes(str(tmp_path / "missing")) == 1 << 20
 
 
 def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly():

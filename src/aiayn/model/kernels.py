@@ -345,16 +345,12 @@ def _rescale_row_range(ar, sx, w_scale, bias, has_bias, yr):  # pragma: no cover
         for o in range(yr.shape[0]):
             y = (np.float32(ar[o]) * sx) * w_scale[o] + bias[o]
             yr[o] = y
-            k = _order_key(np.float32(y).view(np.int32))
-            top = np.int32(k if k > top else top)
-            low = np.int32(k if k < low else low)
+            top, low = _widen(np.float32(y).view(np.int32), top, low)
     else:
         for o in range(yr.shape[0]):
             y = (np.float32(ar[o]) * sx) * w_scale[o]
             yr[o] = y
-            k = _order_key(np.float32(y).view(np.int32))
-            top = np.int32(k if k > top else top)
-            low = np.int32(k if k < low else low)
+            top, low = _widen(np.float32(y).view(np.int32), top, low)
     return top, low
 
 
@@ -534,10 +530,16 @@ def _key_range(br, c0, c1):  # pragma: no cover - compiled
     low = np.int32(0x7FFFFFFF)
     b = br[c0:c1]
     for c in range(b.shape[0]):
-        k = _order_key(b[c])
-        top = np.int32(k if k > top else top)
-        low = np.int32(k if k < low else low)
+        top, low = _widen(b[c], top, low)
     return top, low
+
+
+@_njit(inline="always")
+def _widen(b, top, low):  # pragma: no cover - compiled
+    # (top, low) widened to the order key of the float32 bits b: the step of _key_range and
+    # of _rescale_row_range's key range
+    k = _order_key(b)
+    return np.int32(k if k > top else top), np.int32(k if k < low else low)
 
 
 @_njit()

@@ -146,6 +146,25 @@ def _pack_fbgemm(w8: Tensor):
         torch.backends.quantized.engine = engine
 
 
+def _probe_operands(in_features: int, out_features: int, rows: tuple[int, ...]
+                    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    """The weight probes' operands, the same for every probe of a shape: an int8 (out, in)
+    weight at :func:`weight_levels` with a full-range positive and negative row, its
+    ``torch._int_mm`` operand in the layout :func:`weight_columns_first` picks, and int8
+    inputs of each row count in ``rows``, the first with a full-range positive and negative
+    row (where an int16 pair sum would saturate)."""
+    levels = weight_levels()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randint(-levels, levels + 1, (out_features, in_features), dtype=torch.int8,
+                      generator=gen)
+    w[0], w[1] = levels, -levels
+    wt = w.t().contiguous() if weight_columns_first(in_features, out_features) else w.t()
+    xs = [torch.randint(-127, 128, (m, in_features), dtype=torch.int8, generator=gen)
+          for m in rows]
+    xs[0][0], xs[0][1] = 127, -127
+    return w, wt, xs
+
+
 #: the row counts at which :func:`weight_fbgemm_rows` times FBGEMM against torch._int_mm: a
 #: greedy step's 32 sentences, a beam-4 step's 128 rows, an encoder batch's tokens
 FBGEMM_PROBE_ROWS = (32, 128, 256)
@@ -162,23 +181,16 @@ def weight_fbgemm_rows(in_features: int, out_features: int) -> int:
     Measured once per shape and process: each path's fastest of five at each probe size;
     FBGEMM must win by 10% at that size and every smaller one. Without VNNI (the AVX2 class)
     ``torch._int_mm`` spent about a third of a 32-row product's time on a product of one row
-    (oneDNN appears to rework the whole weight at every call), while FBGEMM packs it once: simulated on the family-26 EPYC
-    (``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``), 32 x 256 x 8,000 took 566 against 733 us, but
-    256 rows ran level (docs/benchmarks.md). On the bf16 class it ran level or slower. 0
-    where torch lacks the engine or the op, it fails, or it gives other sums (checked on
-    full-range inputs, where an int16 pair sum would saturate)."""
+    (oneDNN appears to rework the whole weight at every call), while FBGEMM packs it once:
+    simulated on the family-26 EPYC (``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``), 32 x 256 x 8,000
+    took 566 against 733 us, but 256 rows ran level (docs/benchmarks.md). On the bf16 class
+    it ran level or slower, but for a few of `base`'s maps at 32 rows. 0 where torch lacks
+    the engine or the op, it fails, or it gives other sums (checked on full-range inputs,
+    where an int16 pair sum would saturate: :func:`_probe_operands`)."""
     if "fbgemm" not in torch.backends.quantized.supported_engines or not hasattr(
             torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"):
         return 0
-    levels = weight_levels()
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randint(-levels, levels + 1, (out_features, in_features), dtype=torch.int8,
-                      generator=gen)
-    w[0], w[1] = levels, -levels  # full-range rows against full-range inputs: saturation
-    wt = w.t().contiguous() if weight_columns_first(in_features, out_features) else w.t()
-    xs = [torch.randint(-127, 128, (m, in_features), dtype=torch.int8, generator=gen)
-          for m in FBGEMM_PROBE_ROWS]
-    xs[0][0], xs[0][1] = 127, -127
+    w, wt, xs = _probe_operands(in_features, out_features, FBGEMM_PROBE_ROWS)
     try:
         packed = _pack_fbgemm(w)
         for x in xs:
@@ -232,17 +244,9 @@ def weight_packed_faster(in_features: int, out_features: int) -> bool:
     seconds)."""
     if not hasattr(torch.ops.onednn, "qlinear_prepack"):
         return False
-    levels = weight_levels()
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randint(-levels, levels + 1, (out_features, in_features), dtype=torch.int8,
-                      generator=gen)
-    w[0] = levels  # one full-range row against a full-range input: the saturation case
-    wt = w.t().contiguous() if weight_columns_first(in_features, out_features) else w.t()
+    w, wt, xs = _probe_operands(in_features, out_features, (32, 256))
     try:
         packed = _pack(w)
-        xs = [torch.randint(-127, 128, (m, in_features), dtype=torch.int8, generator=gen)
-              for m in (32, 256)]
-        xs[0][0] = 127
         # the screen: 4 rows (the full-range one among them), one exactness call and then
         # one timed call of each path (the packed path's first call built its kernel). Where
         # oneDNN has no fast kernel for this CPU the packed product runs its reference code,
@@ -296,16 +300,15 @@ class Int8Linear(nn.Module):
         of up to ``rows`` rows (default :func:`weight_fbgemm_rows`'s), ``torch._int_mm`` the
         larger ones."""
         self.packing = kind
-        self.packed = kind is not None
         self._packed = None if kind is None else _PACK[kind](self.weight_int8)
         if kind == "fbgemm" and rows is None:
             rows = weight_fbgemm_rows(self.in_features, self.out_features)
         self.fbgemm_rows = rows if kind == "fbgemm" else 0
 
-    def _set_packed(self, on: bool) -> None:
-        """Run the product over a weight packed now for oneDNN (:func:`weight_packed_faster`),
-        or not."""
-        self._set_packing("onednn" if on else None)
+    @property
+    def packed(self) -> bool:
+        """Whether the product runs over a weight packed once (:attr:`packing` is set)."""
+        return self.packing is not None
 
     def __getstate__(self) -> dict:
         # the packed weight is an opaque oneDNN tensor or FBGEMM object, which neither copies
@@ -343,8 +346,8 @@ class Int8Linear(nn.Module):
 
     def _product(self, x8: Tensor) -> Tensor:
         """The exact sums ``x8 @ W8^T`` (rows, out): int32, or float32 over a packed weight."""
-        if self.packed and x8.device.type == "cpu":
-            kind = self.packing
+        kind = self.packing
+        if kind is not None and x8.device.type == "cpu":
             if self._packed is None:  # a copy's (__getstate__)
                 self._packed = _PACK[kind](self.weight_int8)
             if kind != "fbgemm":
