@@ -376,6 +376,59 @@ def test_attend_past_the_prefetch_size_gives_each_rows_numbers_alone():
         torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
+def test_the_value_sums_held_in_registers_are_the_four_value_passes_bit_for_bit():
+    """Where d_v is a multiple of 16, ``_attend`` sums a (row, head)'s weighted values in
+    vector registers (``kernels._value_sum_intrinsic``): the same chain of fused
+    multiply-adds as the passes of four values it ran before (``kernels._axpy4``, then one
+    value at a time), so the same bits, for float32 and bf16 values, blocks of 64 and of 16,
+    and every key count from none to past three passes."""
+    numba = pytest.importorskip("numba")
+    if not kernels.AVAILABLE:
+        pytest.skip("the kernels are switched off")
+    f32 = kernels._f32
+
+    @numba.njit(fastmath=True)
+    def passes(out, oo, v, vo, w, n, inv, DV):
+        ov = out[oo:oo + DV]
+        ov[:] = np.float32(0.0)
+        j = 0
+        while j + 4 <= n:
+            kernels._axpy4(ov, v, w[j] * inv, vo[j], w[j + 1] * inv, vo[j + 1],
+                           w[j + 2] * inv, vo[j + 2], w[j + 3] * inv, vo[j + 3])
+            j += 4
+        while j < n:
+            x = w[j] * inv
+            vv = v[vo[j]:vo[j] + DV]
+            for dd in range(DV):
+                ov[dd] += x * f32(vv[dd])
+            j += 1
+
+    @numba.njit
+    def registers(out, oo, v, vo, w, n, inv, DV):
+        c = 0
+        while c + 64 <= DV:
+            kernels._value_sum64(out, oo, v, vo, w, n, inv, c)
+            c += 64
+        while c < DV:
+            kernels._value_sum16(out, oo, v, vo, w, n, inv, c)
+            c += 16
+
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal(4000).astype(np.float32)
+    bf16 = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    for v in (values, bf16):
+        for DV in (16, 48, 64, 80, 128):
+            for n in (0, 1, 3, 4, 5, 8, 13, 29):
+                vo = rng.integers(0, v.size - DV, n).astype(np.int64)
+                w = rng.random(max(n, 1)).astype(np.float32)
+                inv = np.float32(1.0) / np.float32(w[:n].sum() + 1.0)
+                want = np.full(DV + 7, np.nan, np.float32)
+                got = want.copy()
+                passes(want, 3, v, vo, w, n, inv, DV)
+                registers(got, 3, v, vo, w, n, inv, DV)
+                assert np.array_equal(got, want, equal_nan=True), (v.dtype, DV, n)
+
+
 def test_the_prefetch_size_is_the_level2_cache_sysfs_states(tmp_path):
     """kernels.PREFETCH_BYTES comes from Linux's cache description: the level-2 entry's size
     (in K or M, whichever index it sits at), and 1 MiB where the folder is missing or its

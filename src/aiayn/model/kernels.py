@@ -122,6 +122,86 @@ if numba is not None:
         return lambda a, i: _prefetch_intrinsic(a, i)
 
 
+#: float32 lanes of one vector register in the value sums' code (AVX-512; LLVM splits each
+#: into two on the AVX2 class)
+_LANES = 16
+
+
+def _value_sum_intrinsic(vectors: int):
+    """A numba intrinsic ``(out, oo, v, vo, weights, n, inv, c) -> None`` for one block of
+    ``vectors`` * 16 outputs of a (row, head)'s attention: ``out[oo + c + e] = sum_j
+    (weights[j] * inv) * v[vo[j] + c + e]``, the weighted sum of its n value rows (eq. 1),
+    each value row starting at element ``vo[j]`` of the flat storage ``v`` (float32, or a
+    bf16 cache's uint16 bits). Each output is a chain of fused multiply-adds over j = 0 ..
+    n-1 from 0, held in vector registers across all the keys and stored once: the same chain,
+    so the same bits, as :func:`_axpy4`'s, without its load and store of the output at every
+    pass and without the test on addresses (and the scalar copy) that LLVM gives such a loop
+    of its own. Written as LLVM code because numba offers no other way to keep a row in
+    registers: at ``base``'s shapes it takes 7% off the self-attention kernel and 12% off the
+    encoder-decoder one (docs/benchmarks.md)."""
+
+    def codegen(context, builder, signature, args):  # pragma: no cover - compile time
+        out_t, oo_t, v_t, vo_t, w_t, n_t, _, c_t = signature.args
+        out_v, oo_v, v_v, vo_v, w_v, n_v, inv, c_v = args
+        out_a = context.make_array(out_t)(context, builder, out_v)
+        v_a = context.make_array(v_t)(context, builder, v_v)
+        vo_a = context.make_array(vo_t)(context, builder, vo_v)
+        w_a = context.make_array(w_t)(context, builder, w_v)
+        i32, i64, f32 = _ir.IntType(32), _ir.IntType(64), _ir.FloatType()
+        lanes_f32, lanes_i32 = _ir.VectorType(f32, _LANES), _ir.VectorType(i32, _LANES)
+        bf16 = v_t.dtype == types.uint16
+        lanes_in = _ir.VectorType(_ir.IntType(16) if bf16 else f32, _LANES)
+        fma = _cgutils.get_or_insert_function(
+            builder.module, _ir.FunctionType(lanes_f32, [lanes_f32] * 3), "llvm.fma.v16f32")
+        oo = context.cast(builder, oo_v, oo_t, types.int64)
+        c = context.cast(builder, c_v, c_t, types.int64)
+        n = context.cast(builder, n_v, n_t, types.int64)
+        zero = _ir.Constant(lanes_f32, [0.0] * _LANES)
+        sums = [_cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
+        for s in sums:  # (alloca_once_value stores in the entry block: zero them here)
+            builder.store(zero, s)
+        undef = _ir.Constant(lanes_f32, _ir.Undefined)
+        with _cgutils.for_range(builder, n) as loop:
+            j = loop.index
+            w = builder.fmul(builder.load(builder.gep(w_a.data, [j])), inv)  # weights[j] * inv
+            w = builder.shuffle_vector(builder.insert_element(undef, w, i32(0)), undef,
+                                       _ir.Constant(lanes_i32, [0] * _LANES))
+            row = builder.add(builder.load(builder.gep(vo_a.data, [j])), c)
+            for m, s in enumerate(sums):
+                at = builder.gep(v_a.data, [builder.add(row, i64(_LANES * m))])
+                x = builder.load(builder.bitcast(at, lanes_in.as_pointer()),
+                                 align=2 if bf16 else 4)
+                if bf16:  # a bfloat16's bits are a float32's upper half (_f32)
+                    x = builder.bitcast(builder.shl(builder.zext(x, lanes_i32), _ir.Constant(
+                        lanes_i32, [16] * _LANES)), lanes_f32)
+                builder.store(builder.call(fma, [w, x, builder.load(s)]), s)
+        start = builder.add(oo, c)
+        for m, s in enumerate(sums):
+            at = builder.gep(out_a.data, [builder.add(start, i64(_LANES * m))])
+            builder.store(builder.load(s), builder.bitcast(at, lanes_f32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def value_sum(typingctx, out, oo, v, vo, weights, n, inv,
+                  c):  # pragma: no cover - compile time
+        arrays = (out, v, vo, weights)
+        if not (all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+                    for a in arrays)
+                and out.dtype == weights.dtype == types.float32
+                and v.dtype in (types.float32, types.uint16) and vo.dtype == types.int64
+                and inv == types.float32
+                and all(isinstance(t, types.Integer) for t in (oo, n, c))):
+            return None
+        return types.void(out, oo, v, vo, weights, n, inv, c), codegen
+
+    return value_sum
+
+
+if numba is not None:
+    _value_sum64 = _value_sum_intrinsic(4)
+    _value_sum16 = _value_sum_intrinsic(1)
+
+
 def _level2_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
     """This CPU's level-2 cache (a core's), in bytes, as Linux's sysfs gives it; 1 MiB where
     that cannot be read (another platform, a size it does not state)."""
@@ -271,6 +351,15 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
                 total = _sum(scores[:n])
                 inv = np.float32(1.0) / total if n > 0 else zero
                 oo = ((r * Tq + i) * H + hh) * DV
+                if DV % _LANES == 0:  # the output held in registers (_value_sum_intrinsic)
+                    c = 0
+                    while c + 4 * _LANES <= DV:
+                        _value_sum64(out, oo, v, vo, scores, n, inv, c)
+                        c += 4 * _LANES
+                    while c < DV:
+                        _value_sum16(out, oo, v, vo, scores, n, inv, c)
+                        c += _LANES
+                    continue
                 ov = out[oo : oo + DV]
                 ov[:] = zero
                 j = 0
