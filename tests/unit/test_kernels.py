@@ -450,14 +450,16 @@ def test_the_prefetch_size_is_the_level2_cache_sysfs_states(tmp_path):
     assert kernels._level2_bytes(str(tmp_path / "missing")) == 1 << 20
 
 
-def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly():
+@pytest.mark.parametrize("D", [8, 16])  # element by element (_put), 16 lanes (_store_rows)
+def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly(D):
     """The self-attention step writes new keys into a bf16 cache as torch's .to(bfloat16)
-    rounds them (to nearest, ties to even; NaN stays NaN), and attention over bf16 keys and
-    values gives what it gives over their float32 widening, bit for bit."""
+    rounds them (to nearest, ties to even, up to infinity past bf16's largest; NaN stays
+    NaN), and attention over bf16 keys and values gives what it gives over their float32
+    widening, bit for bit."""
     import numpy as np
 
     gen = torch.Generator().manual_seed(8)
-    n, H, D, C = 3, 2, 8, 5
+    n, H, C = 3, 2, 5
     width = 3 * H * D
     acc = torch.randint(-30000, 30000, (n, width), dtype=torch.int32, generator=gen).numpy()
     x_scale = (torch.rand(n, 1, generator=gen) * 1e-3).numpy()
@@ -475,7 +477,8 @@ def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly():
     assert torch.equal(kb16[:, :, 0].view(torch.int16), want_k.view(torch.int16))
     # ties (1 + 2^-8 rounds down to even, 1 + 3 * 2^-8 up), a subnormal, a large value and
     # a NaN, as new keys: with zero sums each key is its bias exactly
-    special = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-39, 3e38, float("nan")])
+    special = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-39, 3e38, -3.4e38,
+                            float("-inf"), -(1.0 + 2**-8), float("nan")])
     bias[H * D:H * D + special.numel()] = special.numpy()
     kb16.zero_()
     kernels._self_attention_step(np.zeros_like(acc), x_scale, w_scale, bias, True, H, D, D,
