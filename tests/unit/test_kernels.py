@@ -378,7 +378,8 @@ def test_attend_past_the_prefetch_size_gives_each_rows_numbers_alone():
 
 def test_the_value_sums_held_in_registers_are_the_four_value_passes_bit_for_bit():
     """Where d_v is a multiple of 16, ``_attend`` sums a (row, head)'s weighted values in
-    vector registers (``kernels._value_sum_intrinsic``): the same chain of fused
+    vector registers (``kernels._value_sum_intrinsic``), one query at a time or a beam
+    group's 2-4 queries over the same value rows at once: the same chain of fused
     multiply-adds as the passes of four values it ran before (``kernels._axpy4``, then one
     value at a time), so the same bits, for float32 and bf16 values, blocks of 64 and of 16,
     and every key count from none to past three passes."""
@@ -386,6 +387,10 @@ def test_the_value_sums_held_in_registers_are_the_four_value_passes_bit_for_bit(
     if not kernels.AVAILABLE:
         pytest.skip("the kernels are switched off")
     f32 = kernels._f32
+    sums = {(64, 1): kernels._value_sum64, (16, 1): kernels._value_sum16,
+            (64, 2): kernels._value_sum64x2, (16, 2): kernels._value_sum16x2,
+            (64, 3): kernels._value_sum64x3, (16, 3): kernels._value_sum16x3,
+            (64, 4): kernels._value_sum64x4, (16, 4): kernels._value_sum16x4}
 
     @numba.njit(fastmath=True)
     def passes(out, oo, v, vo, w, n, inv, DV):
@@ -403,30 +408,62 @@ def test_the_value_sums_held_in_registers_are_the_four_value_passes_bit_for_bit(
                 ov[dd] += x * f32(vv[dd])
             j += 1
 
-    @numba.njit
-    def registers(out, oo, v, vo, w, n, inv, DV):
-        c = 0
-        while c + 64 <= DV:
-            kernels._value_sum64(out, oo, v, vo, w, n, inv, c)
-            c += 64
-        while c < DV:
-            kernels._value_sum16(out, oo, v, vo, w, n, inv, c)
-            c += 16
+    def registers(Q):
+        wide, narrow = sums[(64, Q)], sums[(16, Q)]
+
+        @numba.njit
+        def run(out, oo, ostride, v, vo, w, wstride, n, inv, DV):
+            c = 0
+            while c + 64 <= DV:
+                wide(out, oo, ostride, v, vo, w, wstride, n, inv, c)
+                c += 64
+            while c < DV:
+                narrow(out, oo, ostride, v, vo, w, wstride, n, inv, c)
+                c += 16
+        return run
 
     rng = np.random.default_rng(5)
     values = rng.standard_normal(4000).astype(np.float32)
     bf16 = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    for v in (values, bf16):
-        for DV in (16, 48, 64, 80, 128):
-            for n in (0, 1, 3, 4, 5, 8, 13, 29):
-                vo = rng.integers(0, v.size - DV, n).astype(np.int64)
-                w = rng.random(max(n, 1)).astype(np.float32)
-                inv = np.float32(1.0) / np.float32(w[:n].sum() + 1.0)
-                want = np.full(DV + 7, np.nan, np.float32)
-                got = want.copy()
-                passes(want, 3, v, vo, w, n, inv, DV)
-                registers(got, 3, v, vo, w, n, inv, DV)
-                assert np.array_equal(got, want, equal_nan=True), (v.dtype, DV, n)
+    for Q in (1, 2, 3, 4):
+        run = registers(Q)
+        for v in (values, bf16):
+            for DV in (16, 48, 64, 80, 128):
+                for n in (0, 1, 3, 4, 5, 8, 13, 29):
+                    vo = rng.integers(0, v.size - DV, n).astype(np.int64)
+                    w = rng.random((Q, 31)).astype(np.float32)  # each query's weights
+                    inv = (np.float32(1.0) / (w[:, :n].sum(1) + 1)).astype(np.float32)
+                    ostride = DV + 5
+                    want = np.full(Q * ostride + 7, np.nan, np.float32)
+                    got = want.copy()
+                    for t in range(Q):
+                        passes(want, 3 + t * ostride, v, vo, w[t], n, inv[t], DV)
+                    run(got, 3, ostride, v, vo, w.reshape(-1), 31, n, inv, DV)
+                    assert np.array_equal(got, want, equal_nan=True), (Q, v.dtype, DV, n)
+
+
+@pytest.mark.parametrize("G", [2, 3, 4, 5, 8])
+def test_a_beam_groups_queries_get_what_each_gets_alone(G):
+    """One query a row over keys that a group of rows shares (a beam group's encoder-decoder
+    attention) runs the group's value sums together, up to four queries a pass over each
+    value row (``kernels._attend_groups``): every query's output is what it gets with the
+    keys and values copied to its own row, bit for bit, and eq. 1 within float32 rounding,
+    for float32 and bf16 keys and values and d_v of one and several 16-lane blocks."""
+    torch.manual_seed(G)
+    R, h, Tk = 3, 4, 11
+    for d in (16, 48, 64, 80):
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(R * G, 1, h, d)
+            k = torch.randn(R, h, Tk, d).to(dtype)
+            v = torch.randn(R, h, Tk, d).to(dtype)
+            lengths = torch.tensor([Tk, 5, 1])
+            with torch.no_grad():
+                got = kernels.attend(q, k, v, lengths, group=G)
+                alone = kernels.attend(q, k.repeat_interleave(G, 0), v.repeat_interleave(G, 0),
+                                       lengths.repeat_interleave(G), group=1)
+            assert torch.equal(got, alone), (d, dtype)
+            want = _eq1(q, k.float(), v.float(), lengths, G, -1)
+            torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
 def test_the_prefetch_size_is_the_level2_cache_sysfs_states(tmp_path):

@@ -127,79 +127,98 @@ if numba is not None:
 _LANES = 16
 
 
-def _value_sum_intrinsic(vectors: int):
-    """A numba intrinsic ``(out, oo, v, vo, weights, n, inv, c) -> None`` for one block of
-    ``vectors`` * 16 outputs of a (row, head)'s attention: ``out[oo + c + e] = sum_j
-    (weights[j] * inv) * v[vo[j] + c + e]``, the weighted sum of its n value rows (eq. 1),
-    each value row starting at element ``vo[j]`` of the flat storage ``v`` (float32, or a
-    bf16 cache's uint16 bits). Each output is a chain of fused multiply-adds over j = 0 ..
-    n-1 from 0, held in vector registers across all the keys and stored once: the same chain,
-    so the same bits, as :func:`_axpy4`'s, without its load and store of the output at every
-    pass and without the test on addresses (and the scalar copy) that LLVM gives such a loop
-    of its own. Written as LLVM code because numba offers no other way to keep a row in
-    registers: at ``base``'s shapes it takes 7% off the self-attention kernel and 12% off the
-    encoder-decoder one (docs/benchmarks.md)."""
+def _value_sum_intrinsic(vectors: int, queries: int = 1):
+    """A numba intrinsic ``(out, oo, ostride, v, vo, weights, wstride, n, inv, c) -> None``
+    for one block of ``vectors`` * 16 outputs of each of ``queries`` attention rows that read
+    the same n value rows (a beam group's queries over their sentence's encoder values; or
+    one query): for query t, ``out[oo + t * ostride + c + e] = sum_j (weights[t * wstride +
+    j] * inv[t]) * v[vo[j] + c + e]``, the weighted sum of its values (eq. 1), each value row
+    starting at element ``vo[j]`` of the flat storage ``v`` (float32, or a bf16 cache's
+    uint16 bits). Each output is a chain of fused multiply-adds over j = 0 .. n-1 from 0,
+    held in vector registers across all the keys and stored once: the same chain, so the same
+    bits, as :func:`_axpy4`'s, without its load and store of the output at every pass and
+    without the test on addresses (and the scalar copy) that LLVM gives such a loop of its
+    own; with several queries, each value row is loaded once for all of them, and their
+    chains run side by side. Written as LLVM code because numba offers no other way to keep a
+    row in registers (docs/benchmarks.md)."""
 
     def codegen(context, builder, signature, args):  # pragma: no cover - compile time
-        out_t, oo_t, v_t, vo_t, w_t, n_t, _, c_t = signature.args
-        out_v, oo_v, v_v, vo_v, w_v, n_v, inv, c_v = args
+        out_t, oo_t, os_t, v_t, vo_t, w_t, ws_t, n_t, inv_t, c_t = signature.args
+        out_v, oo_v, os_v, v_v, vo_v, w_v, ws_v, n_v, inv_v, c_v = args
         out_a = context.make_array(out_t)(context, builder, out_v)
         v_a = context.make_array(v_t)(context, builder, v_v)
         vo_a = context.make_array(vo_t)(context, builder, vo_v)
         w_a = context.make_array(w_t)(context, builder, w_v)
+        inv_a = context.make_array(inv_t)(context, builder, inv_v)
         i32, i64, f32 = _ir.IntType(32), _ir.IntType(64), _ir.FloatType()
         lanes_f32, lanes_i32 = _ir.VectorType(f32, _LANES), _ir.VectorType(i32, _LANES)
         bf16 = v_t.dtype == types.uint16
         lanes_in = _ir.VectorType(_ir.IntType(16) if bf16 else f32, _LANES)
         fma = _cgutils.get_or_insert_function(
             builder.module, _ir.FunctionType(lanes_f32, [lanes_f32] * 3), "llvm.fma.v16f32")
-        oo = context.cast(builder, oo_v, oo_t, types.int64)
-        c = context.cast(builder, c_v, c_t, types.int64)
-        n = context.cast(builder, n_v, n_t, types.int64)
+
+        def int64(value, ty):
+            return context.cast(builder, value, ty, types.int64)
+
+        oo, ostride = int64(oo_v, oo_t), int64(os_v, os_t)
+        wstride, n, c = int64(ws_v, ws_t), int64(n_v, n_t), int64(c_v, c_t)
         zero = _ir.Constant(lanes_f32, [0.0] * _LANES)
-        sums = [_cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
-        for s in sums:  # (alloca_once_value stores in the entry block: zero them here)
-            builder.store(zero, s)
+        sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
+                for _ in range(queries)]
+        for s in (s for row in sums for s in row):  # (alloca_once_value stores in the
+            builder.store(zero, s)                  # entry block: zero them here)
+        invs = [builder.load(builder.gep(inv_a.data, [i64(t)])) for t in range(queries)]
         undef = _ir.Constant(lanes_f32, _ir.Undefined)
         with _cgutils.for_range(builder, n) as loop:
             j = loop.index
-            w = builder.fmul(builder.load(builder.gep(w_a.data, [j])), inv)  # weights[j] * inv
-            w = builder.shuffle_vector(builder.insert_element(undef, w, i32(0)), undef,
-                                       _ir.Constant(lanes_i32, [0] * _LANES))
             row = builder.add(builder.load(builder.gep(vo_a.data, [j])), c)
-            for m, s in enumerate(sums):
+            xs = []
+            for m in range(vectors):
                 at = builder.gep(v_a.data, [builder.add(row, i64(_LANES * m))])
                 x = builder.load(builder.bitcast(at, lanes_in.as_pointer()),
                                  align=2 if bf16 else 4)
                 if bf16:  # a bfloat16's bits are a float32's upper half (_f32)
                     x = builder.bitcast(builder.shl(builder.zext(x, lanes_i32), _ir.Constant(
                         lanes_i32, [16] * _LANES)), lanes_f32)
-                builder.store(builder.call(fma, [w, x, builder.load(s)]), s)
-        start = builder.add(oo, c)
-        for m, s in enumerate(sums):
-            at = builder.gep(out_a.data, [builder.add(start, i64(_LANES * m))])
-            builder.store(builder.load(s), builder.bitcast(at, lanes_f32.as_pointer()), align=4)
+                xs.append(x)
+            for t in range(queries):
+                at = builder.add(builder.mul(i64(t), wstride), j)
+                w = builder.fmul(builder.load(builder.gep(w_a.data, [at])), invs[t])
+                w = builder.shuffle_vector(builder.insert_element(undef, w, i32(0)), undef,
+                                           _ir.Constant(lanes_i32, [0] * _LANES))
+                for x, s in zip(xs, sums[t]):
+                    builder.store(builder.call(fma, [w, x, builder.load(s)]), s)
+        for t in range(queries):
+            start = builder.add(builder.add(oo, builder.mul(i64(t), ostride)), c)
+            for m, s in enumerate(sums[t]):
+                at = builder.gep(out_a.data, [builder.add(start, i64(_LANES * m))])
+                builder.store(builder.load(s), builder.bitcast(at, lanes_f32.as_pointer()),
+                              align=4)
         return context.get_dummy_value()
 
     @intrinsic
-    def value_sum(typingctx, out, oo, v, vo, weights, n, inv,
+    def value_sum(typingctx, out, oo, ostride, v, vo, weights, wstride, n, inv,
                   c):  # pragma: no cover - compile time
-        arrays = (out, v, vo, weights)
+        arrays = (out, v, vo, weights, inv)
         if not (all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
                     for a in arrays)
-                and out.dtype == weights.dtype == types.float32
+                and out.dtype == weights.dtype == inv.dtype == types.float32
                 and v.dtype in (types.float32, types.uint16) and vo.dtype == types.int64
-                and inv == types.float32
-                and all(isinstance(t, types.Integer) for t in (oo, n, c))):
+                and all(isinstance(t, types.Integer) for t in (oo, ostride, wstride, n, c))):
             return None
-        return types.void(out, oo, v, vo, weights, n, inv, c), codegen
+        return types.void(out, oo, ostride, v, vo, weights, wstride, n, inv, c), codegen
 
     return value_sum
 
 
 if numba is not None:
+    # (vectors, queries) -> its intrinsic: one query's 64 or 16 outputs; a group's
     _value_sum64 = _value_sum_intrinsic(4)
     _value_sum16 = _value_sum_intrinsic(1)
+    _value_sum64x2, _value_sum64x3, _value_sum64x4 = (_value_sum_intrinsic(4, t)
+                                                      for t in (2, 3, 4))
+    _value_sum16x2, _value_sum16x3, _value_sum16x4 = (_value_sum_intrinsic(1, t)
+                                                      for t in (2, 3, 4))
 
 
 def _store_rows_codegen(context, builder, signature, args):  # pragma: no cover - compile time
@@ -339,6 +358,95 @@ def _axpy4(ov, v, w0, o0, w1, o1, w2, o2, w3, o3):  # pragma: no cover - compile
                   + w3 * _f32(d[dd]))
 
 
+@_njit(inline="always")
+def _head_weights(q, qo, k, ko, n, D, scale, scores):  # pragma: no cover - compiled
+    # one (query, head)'s softmax numerators over its n keys (eq. 1): exp(s_j - max s) into
+    # scores[:n], s_j = (q . key j) * scale with the query at q[qo:] and key j at k[ko[j]:];
+    # returns 1 / their sum. Inlined into _attend and _attend_groups, whose fastmath it
+    # takes: the dot products four keys a pass over the query, the exponentials in lanes
+    # (_exp_term)
+    zero = np.float32(0.0)
+    qv = q[qo : qo + D]
+    top = np.float32(-3.0e38)
+    j = 0
+    while j + 4 <= n:
+        ka, kb = k[ko[j] : ko[j] + D], k[ko[j + 1] : ko[j + 1] + D]
+        kc, kd = k[ko[j + 2] : ko[j + 2] + D], k[ko[j + 3] : ko[j + 3] + D]
+        s0, s1, s2, s3 = _dot4(qv, ka, kb, kc, kd)
+        s0, s1, s2, s3 = s0 * scale, s1 * scale, s2 * scale, s3 * scale
+        scores[j], scores[j + 1], scores[j + 2], scores[j + 3] = s0, s1, s2, s3
+        top = max(top, max(max(s0, s1), max(s2, s3)))
+        j += 4
+    while j < n:
+        kv = k[ko[j] : ko[j] + D]
+        s = zero
+        for dd in range(D):
+            s += qv[dd] * _f32(kv[dd])
+        s *= scale
+        scores[j] = s
+        top = max(top, s)
+        j += 1
+    for j in range(n):  # exp(s - top), in lanes
+        scores[j] = _exp_term(scores[j] - top)
+    total = _sum(scores[:n])
+    return np.float32(1.0) / total if n > 0 else zero
+
+
+@_njit(fastmath=True)
+def _attend_groups(q, k, v, at, N, H, D, DV, key_len, group, scale, fetch, out, scores, ko,
+                   vo):  # pragma: no cover - compiled
+    # _attend for one query a row (Tq = 1) where each key row serves `group` query rows (a
+    # beam group over its sentence's encoder keys), d_v a multiple of _LANES: for each key
+    # row and head, the key and value offsets once, each query's weights as _attend makes
+    # them (_head_weights), then the group's value sums four queries a pass, each value row
+    # loaded once for them (_value_sum_intrinsic). The same operations for each query as
+    # _attend's, so the same bits. scores: scratch of at least 4 * (T + 1) floats
+    q0, qr_s, qh_s = at[0], at[1], at[3]
+    k0, kr_s, kh_s, kj_s = at[4], at[5], at[6], at[7]
+    v0, vr_s, vh_s, vj_s = at[9], at[10], at[11], at[12]
+    stride = scores.shape[0] // 4
+    invs = np.empty(4, np.float32)
+    for kr in range((N + group - 1) // group):
+        n = key_len[kr]
+        r_end = min(N, (kr + 1) * group)
+        for hh in range(H):
+            for j in range(n):
+                ko[j] = k0 + kr * kr_s + hh * kh_s + j * kj_s
+                vo[j] = v0 + kr * vr_s + hh * vh_s + j * vj_s
+            if fetch and hh + 1 < H:  # the next head's keys and values, as _attend
+                _prefetch_rows(k, ko, n, kh_s, D)
+                _prefetch_rows(v, vo, n, vh_s, DV)
+            r0 = kr * group
+            while r0 < r_end:
+                Q = min(4, r_end - r0)
+                for t in range(Q):
+                    invs[t] = _head_weights(q, q0 + (r0 + t) * qr_s + hh * qh_s, k, ko, n, D,
+                                            scale, scores[t * stride : (t + 1) * stride])
+                oo, ostride = (r0 * H + hh) * DV, H * DV
+                c = 0
+                while c + 4 * _LANES <= DV:
+                    if Q == 4:
+                        _value_sum64x4(out, oo, ostride, v, vo, scores, stride, n, invs, c)
+                    elif Q == 3:
+                        _value_sum64x3(out, oo, ostride, v, vo, scores, stride, n, invs, c)
+                    elif Q == 2:
+                        _value_sum64x2(out, oo, ostride, v, vo, scores, stride, n, invs, c)
+                    else:
+                        _value_sum64(out, oo, ostride, v, vo, scores, stride, n, invs, c)
+                    c += 4 * _LANES
+                while c < DV:
+                    if Q == 4:
+                        _value_sum16x4(out, oo, ostride, v, vo, scores, stride, n, invs, c)
+                    elif Q == 3:
+                        _value_sum16x3(out, oo, ostride, v, vo, scores, stride, n, invs, c)
+                    elif Q == 2:
+                        _value_sum16x2(out, oo, ostride, v, vo, scores, stride, n, invs, c)
+                    else:
+                        _value_sum16(out, oo, ostride, v, vo, scores, stride, n, invs, c)
+                    c += _LANES
+                r0 += Q
+
+
 @_njit(fastmath=True)
 def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
             key_rows):  # pragma: no cover - compiled
@@ -367,13 +475,18 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
     v0, vr_s, vh_s, vj_s = at[9], at[10], at[11], at[12]
     out = np.empty(N * Tq * H * DV, np.float32)
     T1 = max(T, 1)
-    scores = np.empty(T1, np.float32)
+    scores = np.empty(4 * T1, np.float32)  # (_attend_groups: four queries')
     ko = np.empty(T1, np.int64)  # where each key and value row starts
     vo = np.empty(T1, np.int64)
     by_row = key_rows.shape[0] > 0
     zero = np.float32(0.0)
     # the bytes of keys and values the call reads (each key row's once)
     fetch = (N // group) * H * T * (D * k.itemsize + DV * v.itemsize) > PREFETCH_BYTES
+    if group > 1 and Tq == 1 and not by_row and DV % _LANES == 0:
+        _attend_groups(q, k, v, at, N, H, D, DV, key_len, group, scale, fetch, out, scores,
+                       ko, vo)
+        return out
+    invs = np.empty(1, np.float32)
     for r in range(N):
         kr = r // group
         n_all = key_len[kr]
@@ -388,38 +501,16 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
                     _prefetch_rows(k, ko, n, kh_s, D)  # this one computes
                     _prefetch_rows(v, vo, n, vh_s, DV)
                 qo = q0 + r * qr_s + i * qi_s + hh * qh_s
-                qv = q[qo : qo + D]
-                top = np.float32(-3.0e38)
-                j = 0
-                while j + 4 <= n:
-                    ka, kb = k[ko[j] : ko[j] + D], k[ko[j + 1] : ko[j + 1] + D]
-                    kc, kd = k[ko[j + 2] : ko[j + 2] + D], k[ko[j + 3] : ko[j + 3] + D]
-                    s0, s1, s2, s3 = _dot4(qv, ka, kb, kc, kd)
-                    s0, s1, s2, s3 = s0 * scale, s1 * scale, s2 * scale, s3 * scale
-                    scores[j], scores[j + 1], scores[j + 2], scores[j + 3] = s0, s1, s2, s3
-                    top = max(top, max(max(s0, s1), max(s2, s3)))
-                    j += 4
-                while j < n:
-                    kv = k[ko[j] : ko[j] + D]
-                    s = zero
-                    for dd in range(D):
-                        s += qv[dd] * _f32(kv[dd])
-                    s *= scale
-                    scores[j] = s
-                    top = max(top, s)
-                    j += 1
-                for j in range(n):  # exp(s - top), in lanes
-                    scores[j] = _exp_term(scores[j] - top)
-                total = _sum(scores[:n])
-                inv = np.float32(1.0) / total if n > 0 else zero
+                inv = _head_weights(q, qo, k, ko, n, D, scale, scores)
                 oo = ((r * Tq + i) * H + hh) * DV
                 if DV % _LANES == 0:  # the output held in registers (_value_sum_intrinsic)
+                    invs[0] = inv
                     c = 0
                     while c + 4 * _LANES <= DV:
-                        _value_sum64(out, oo, v, vo, scores, n, inv, c)
+                        _value_sum64(out, oo, 0, v, vo, scores, 0, n, invs, c)
                         c += 4 * _LANES
                     while c < DV:
-                        _value_sum16(out, oo, v, vo, scores, n, inv, c)
+                        _value_sum16(out, oo, 0, v, vo, scores, 0, n, invs, c)
                         c += _LANES
                     continue
                 ov = out[oo : oo + DV]
