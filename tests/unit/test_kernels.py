@@ -387,10 +387,8 @@ def test_the_value_sums_held_in_registers_are_the_four_value_passes_bit_for_bit(
     if not kernels.AVAILABLE:
         pytest.skip("the kernels are switched off")
     f32 = kernels._f32
-    sums = {(64, 1): kernels._value_sum64, (16, 1): kernels._value_sum16,
-            (64, 2): kernels._value_sum64x2, (16, 2): kernels._value_sum16x2,
-            (64, 3): kernels._value_sum64x3, (16, 3): kernels._value_sum16x3,
-            (64, 4): kernels._value_sum64x4, (16, 4): kernels._value_sum16x4}
+    sums = {1: kernels._value_sum1, 2: kernels._value_sum2, 3: kernels._value_sum3,
+            4: kernels._value_sum4}
 
     @numba.njit(fastmath=True)
     def passes(out, oo, v, vo, w, n, inv, DV):
@@ -409,17 +407,11 @@ def test_the_value_sums_held_in_registers_are_the_four_value_passes_bit_for_bit(
             j += 1
 
     def registers(Q):
-        wide, narrow = sums[(64, Q)], sums[(16, Q)]
+        value_sum = sums[Q]
 
         @numba.njit
         def run(out, oo, ostride, v, vo, w, wstride, n, inv, DV):
-            c = 0
-            while c + 64 <= DV:
-                wide(out, oo, ostride, v, vo, w, wstride, n, inv, c)
-                c += 64
-            while c < DV:
-                narrow(out, oo, ostride, v, vo, w, wstride, n, inv, c)
-                c += 16
+            value_sum(out, oo, ostride, v, vo, w, wstride, n, inv, DV)
         return run
 
     rng = np.random.default_rng(5)

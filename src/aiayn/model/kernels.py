@@ -127,24 +127,24 @@ if numba is not None:
 _LANES = 16
 
 
-def _value_sum_intrinsic(vectors: int, queries: int = 1):
-    """A numba intrinsic ``(out, oo, ostride, v, vo, weights, wstride, n, inv, c) -> None``
-    for one block of ``vectors`` * 16 outputs of each of ``queries`` attention rows that read
-    the same n value rows (a beam group's queries over their sentence's encoder values; or
-    one query): for query t, ``out[oo + t * ostride + c + e] = sum_j (weights[t * wstride +
-    j] * inv[t]) * v[vo[j] + c + e]``, the weighted sum of its values (eq. 1), each value row
-    starting at element ``vo[j]`` of the flat storage ``v`` (float32, or a bf16 cache's
-    uint16 bits). Each output is a chain of fused multiply-adds over j = 0 .. n-1 from 0,
-    held in vector registers across all the keys and stored once: the same chain, so the same
-    bits, as :func:`_axpy4`'s, without its load and store of the output at every pass and
-    without the test on addresses (and the scalar copy) that LLVM gives such a loop of its
-    own; with several queries, each value row is loaded once for all of them, and their
-    chains run side by side. Written as LLVM code because numba offers no other way to keep a
-    row in registers (docs/benchmarks.md)."""
+def _value_sum_intrinsic(queries: int):
+    """A numba intrinsic ``(out, oo, ostride, v, vo, weights, wstride, n, inv, DV) -> None``:
+    the DV outputs (a multiple of 16) of each of ``queries`` attention rows that read the
+    same n value rows (a beam group's queries over their sentence's encoder values; or one
+    query): for query t, ``out[oo + t * ostride + e] = sum_j (weights[t * wstride + j] *
+    inv[t]) * v[vo[j] + e]``, the weighted sum of its values (eq. 1), each value row starting
+    at element ``vo[j]`` of the flat storage ``v`` (float32, or a bf16 cache's uint16 bits).
+    Each output is a chain of fused multiply-adds over j = 0 .. n-1 from 0, held in vector
+    registers across all the keys (blocks of four vectors, then of one) and stored once: the
+    same chain, so the same bits, as :func:`_axpy4`'s, without its load and store of the
+    output at every pass and without the test on addresses (and the scalar copy) that LLVM
+    gives such a loop of its own; with several queries, each value row is loaded once for all
+    of them, and their chains run side by side. Written as LLVM code because numba offers no
+    other way to keep a row in registers (docs/benchmarks.md)."""
 
     def codegen(context, builder, signature, args):  # pragma: no cover - compile time
-        out_t, oo_t, os_t, v_t, vo_t, w_t, ws_t, n_t, inv_t, c_t = signature.args
-        out_v, oo_v, os_v, v_v, vo_v, w_v, ws_v, n_v, inv_v, c_v = args
+        out_t, oo_t, os_t, v_t, vo_t, w_t, ws_t, n_t, inv_t, dv_t = signature.args
+        out_v, oo_v, os_v, v_v, vo_v, w_v, ws_v, n_v, inv_v, dv_v = args
         out_a = context.make_array(out_t)(context, builder, out_v)
         v_a = context.make_array(v_t)(context, builder, v_v)
         vo_a = context.make_array(vo_t)(context, builder, vo_v)
@@ -161,64 +161,70 @@ def _value_sum_intrinsic(vectors: int, queries: int = 1):
             return context.cast(builder, value, ty, types.int64)
 
         oo, ostride = int64(oo_v, oo_t), int64(os_v, os_t)
-        wstride, n, c = int64(ws_v, ws_t), int64(n_v, n_t), int64(c_v, c_t)
+        wstride, n, DV = int64(ws_v, ws_t), int64(n_v, n_t), int64(dv_v, dv_t)
         zero = _ir.Constant(lanes_f32, [0.0] * _LANES)
-        sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
-                for _ in range(queries)]
-        for s in (s for row in sums for s in row):  # (alloca_once_value stores in the
-            builder.store(zero, s)                  # entry block: zero them here)
         invs = [builder.load(builder.gep(inv_a.data, [i64(t)])) for t in range(queries)]
         undef = _ir.Constant(lanes_f32, _ir.Undefined)
-        with _cgutils.for_range(builder, n) as loop:
-            j = loop.index
-            row = builder.add(builder.load(builder.gep(vo_a.data, [j])), c)
-            xs = []
-            for m in range(vectors):
-                at = builder.gep(v_a.data, [builder.add(row, i64(_LANES * m))])
-                x = builder.load(builder.bitcast(at, lanes_in.as_pointer()),
-                                 align=2 if bf16 else 4)
-                if bf16:  # a bfloat16's bits are a float32's upper half (_f32)
-                    x = builder.bitcast(builder.shl(builder.zext(x, lanes_i32), _ir.Constant(
-                        lanes_i32, [16] * _LANES)), lanes_f32)
-                xs.append(x)
+
+        def block(c, vectors):  # the outputs c .. c + 16 * vectors - 1 of every query
+            sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
+                    for _ in range(queries)]
+            for s in (s for row in sums for s in row):  # (alloca_once_value stores in the
+                builder.store(zero, s)                  # entry block: zero them here)
+            with _cgutils.for_range(builder, n) as loop:
+                j = loop.index
+                row = builder.add(builder.load(builder.gep(vo_a.data, [j])), c)
+                xs = []
+                for m in range(vectors):
+                    at = builder.gep(v_a.data, [builder.add(row, i64(_LANES * m))])
+                    x = builder.load(builder.bitcast(at, lanes_in.as_pointer()),
+                                     align=2 if bf16 else 4)
+                    if bf16:  # a bfloat16's bits are a float32's upper half (_f32)
+                        x = builder.bitcast(builder.shl(builder.zext(x, lanes_i32),
+                                                        _ir.Constant(lanes_i32, [16] * _LANES)),
+                                            lanes_f32)
+                    xs.append(x)
+                for t in range(queries):
+                    at = builder.add(builder.mul(i64(t), wstride), j)
+                    w = builder.fmul(builder.load(builder.gep(w_a.data, [at])), invs[t])
+                    w = builder.shuffle_vector(builder.insert_element(undef, w, i32(0)), undef,
+                                               _ir.Constant(lanes_i32, [0] * _LANES))
+                    for x, s in zip(xs, sums[t]):
+                        builder.store(builder.call(fma, [w, x, builder.load(s)]), s)
             for t in range(queries):
-                at = builder.add(builder.mul(i64(t), wstride), j)
-                w = builder.fmul(builder.load(builder.gep(w_a.data, [at])), invs[t])
-                w = builder.shuffle_vector(builder.insert_element(undef, w, i32(0)), undef,
-                                           _ir.Constant(lanes_i32, [0] * _LANES))
-                for x, s in zip(xs, sums[t]):
-                    builder.store(builder.call(fma, [w, x, builder.load(s)]), s)
-        for t in range(queries):
-            start = builder.add(builder.add(oo, builder.mul(i64(t), ostride)), c)
-            for m, s in enumerate(sums[t]):
-                at = builder.gep(out_a.data, [builder.add(start, i64(_LANES * m))])
-                builder.store(builder.load(s), builder.bitcast(at, lanes_f32.as_pointer()),
-                              align=4)
+                start = builder.add(builder.add(oo, builder.mul(i64(t), ostride)), c)
+                for m, s in enumerate(sums[t]):
+                    at = builder.gep(out_a.data, [builder.add(start, i64(_LANES * m))])
+                    builder.store(builder.load(s), builder.bitcast(
+                        at, lanes_f32.as_pointer()), align=4)
+
+        wide = builder.udiv(DV, i64(4 * _LANES))
+        with _cgutils.for_range(builder, wide) as loop:
+            block(builder.mul(loop.index, i64(4 * _LANES)), 4)
+        done = builder.mul(wide, i64(4 * _LANES))
+        with _cgutils.for_range(builder, builder.udiv(builder.sub(DV, done), i64(_LANES))) as loop:
+            block(builder.add(done, builder.mul(loop.index, i64(_LANES))), 1)
         return context.get_dummy_value()
 
     @intrinsic
     def value_sum(typingctx, out, oo, ostride, v, vo, weights, wstride, n, inv,
-                  c):  # pragma: no cover - compile time
+                  DV):  # pragma: no cover - compile time
         arrays = (out, v, vo, weights, inv)
         if not (all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
                     for a in arrays)
                 and out.dtype == weights.dtype == inv.dtype == types.float32
                 and v.dtype in (types.float32, types.uint16) and vo.dtype == types.int64
-                and all(isinstance(t, types.Integer) for t in (oo, ostride, wstride, n, c))):
+                and all(isinstance(t, types.Integer) for t in (oo, ostride, wstride, n, DV))):
             return None
-        return types.void(out, oo, ostride, v, vo, weights, wstride, n, inv, c), codegen
+        return types.void(out, oo, ostride, v, vo, weights, wstride, n, inv, DV), codegen
 
     return value_sum
 
 
 if numba is not None:
-    # (vectors, queries) -> its intrinsic: one query's 64 or 16 outputs; a group's
-    _value_sum64 = _value_sum_intrinsic(4)
-    _value_sum16 = _value_sum_intrinsic(1)
-    _value_sum64x2, _value_sum64x3, _value_sum64x4 = (_value_sum_intrinsic(4, t)
-                                                      for t in (2, 3, 4))
-    _value_sum16x2, _value_sum16x3, _value_sum16x4 = (_value_sum_intrinsic(1, t)
-                                                      for t in (2, 3, 4))
+    # one query's value sums, and a group's of 2, 3 or 4 queries
+    _value_sum1, _value_sum2, _value_sum3, _value_sum4 = (_value_sum_intrinsic(t)
+                                                          for t in (1, 2, 3, 4))
 
 
 def _store_rows_codegen(context, builder, signature, args):  # pragma: no cover - compile time
@@ -423,27 +429,14 @@ def _attend_groups(q, k, v, at, N, H, D, DV, key_len, group, scale, fetch, out, 
                     invs[t] = _head_weights(q, q0 + (r0 + t) * qr_s + hh * qh_s, k, ko, n, D,
                                             scale, scores[t * stride : (t + 1) * stride])
                 oo, ostride = (r0 * H + hh) * DV, H * DV
-                c = 0
-                while c + 4 * _LANES <= DV:
-                    if Q == 4:
-                        _value_sum64x4(out, oo, ostride, v, vo, scores, stride, n, invs, c)
-                    elif Q == 3:
-                        _value_sum64x3(out, oo, ostride, v, vo, scores, stride, n, invs, c)
-                    elif Q == 2:
-                        _value_sum64x2(out, oo, ostride, v, vo, scores, stride, n, invs, c)
-                    else:
-                        _value_sum64(out, oo, ostride, v, vo, scores, stride, n, invs, c)
-                    c += 4 * _LANES
-                while c < DV:
-                    if Q == 4:
-                        _value_sum16x4(out, oo, ostride, v, vo, scores, stride, n, invs, c)
-                    elif Q == 3:
-                        _value_sum16x3(out, oo, ostride, v, vo, scores, stride, n, invs, c)
-                    elif Q == 2:
-                        _value_sum16x2(out, oo, ostride, v, vo, scores, stride, n, invs, c)
-                    else:
-                        _value_sum16(out, oo, ostride, v, vo, scores, stride, n, invs, c)
-                    c += _LANES
+                if Q == 4:
+                    _value_sum4(out, oo, ostride, v, vo, scores, stride, n, invs, DV)
+                elif Q == 3:
+                    _value_sum3(out, oo, ostride, v, vo, scores, stride, n, invs, DV)
+                elif Q == 2:
+                    _value_sum2(out, oo, ostride, v, vo, scores, stride, n, invs, DV)
+                else:
+                    _value_sum1(out, oo, ostride, v, vo, scores, stride, n, invs, DV)
                 r0 += Q
 
 
@@ -459,7 +452,10 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
     # With key_rows (N, Tk) non-empty, key j of query row r lies in key row key_rows[r, j].
     # Rows are taken as slices, whose indices numba knows are in range: that lets LLVM
     # vectorize the loops over d (with flat indices it did not, 8x slower). The scores go
-    # four keys a pass over the query, and the exponentials in lanes (_exp_term).
+    # four keys a pass over the query, and the exponentials in lanes (_exp_term); where d_v
+    # is a multiple of _LANES the value sums run in vector registers (_value_sum_intrinsic,
+    # the same chain as _axpy4's), and one query a row over keys a group of rows shares (a
+    # beam group's encoder-decoder attention) goes to _attend_groups.
     # Batch invariance rests on one rule here: LLVM gives a vectorized loop that stores into
     # one array while reading others a runtime test on their addresses, with a scalar copy
     # for when it fails; a sum (or, under fastmath, a * b + c * d, which may contract two
@@ -505,13 +501,7 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
                 oo = ((r * Tq + i) * H + hh) * DV
                 if DV % _LANES == 0:  # the output held in registers (_value_sum_intrinsic)
                     invs[0] = inv
-                    c = 0
-                    while c + 4 * _LANES <= DV:
-                        _value_sum64(out, oo, 0, v, vo, scores, 0, n, invs, c)
-                        c += 4 * _LANES
-                    while c < DV:
-                        _value_sum16(out, oo, 0, v, vo, scores, 0, n, invs, c)
-                        c += _LANES
+                    _value_sum1(out, oo, 0, v, vo, scores, 0, n, invs, DV)
                     continue
                 ov = out[oo : oo + DV]
                 ov[:] = zero
