@@ -458,6 +458,41 @@ def test_a_beam_groups_queries_get_what_each_gets_alone(G):
             torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("d", [8, 16, 64])  # token by token; sentence by sentence (d % 16)
+def test_the_encoders_attention_kernel_is_the_padded_batchs_bit_for_bit(d):
+    """The int8 encoder's attention over a batch packed without padding
+    (``kernels._encoder_attention``, which takes a sentence's tokens four a pass where d_v
+    is a multiple of 16) gives each token what attention over the padded batch gives it
+    (``kernels.attend``, every query on its own), quantized for W^O: the same int8 rows and
+    scales."""
+    rng = np.random.default_rng(d)
+    H, lengths = 4, np.array([7, 1, 12, 5, 9])
+    B, S, n = len(lengths), int(lengths.max()), int(lengths.sum())
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    sentence = np.repeat(np.arange(B), lengths)
+    key_rows = (starts[sentence][:, None] + np.arange(S)[None, :]).astype(np.int64)
+    width = 3 * H * d
+    acc = rng.integers(-30000, 30000, (n, width)).astype(np.int32)
+    x_scale = (rng.random((n, 1)) * 1e-3).astype(np.float32)
+    w_scale, bias = rng.random(width).astype(np.float32), rng.standard_normal(width).astype(
+        np.float32)
+    got8, got_scale = kernels._encoder_attention(acc, x_scale, w_scale, bias, True, H, d, d,
+                                                 key_rows, lengths[sentence].astype(np.int64),
+                                                 np.float32(d**-0.5), 127)
+    qkv = torch.from_numpy(kernels._rescale(acc, x_scale, w_scale, bias, True, False))
+    q, k, v = torch.zeros(B, S, H, d), torch.zeros(B, H, S, d), torch.zeros(B, H, S, d)
+    for b in range(B):
+        rows = qkv[starts[b]:starts[b] + lengths[b]].view(-1, 3, H, d)
+        q[b, :lengths[b]] = rows[:, 0]
+        k[b, :, :lengths[b]] = rows[:, 1].transpose(0, 1)
+        v[b, :, :lengths[b]] = rows[:, 2].transpose(0, 1)
+    with torch.no_grad():
+        att = kernels.attend(q, k, v, torch.from_numpy(lengths))  # (B, S, H, d)
+    real = torch.cat([att[b, :lengths[b]] for b in range(B)]).reshape(n, H * d)
+    want8, want_scale = kernels._quantize_rows(real.numpy(), 127)
+    assert np.array_equal(got8, want8) and np.array_equal(got_scale, want_scale)
+
+
 def test_the_prefetch_size_is_the_level2_cache_sysfs_states(tmp_path):
     """kernels.PREFETCH_BYTES comes from Linux's cache description: the level-2 entry's size
     (in K or M, whichever index it sits at), and 1 MiB where the folder is missing or its

@@ -760,10 +760,27 @@ def _encoder_attention(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, key_row
     qkv = _rescale(acc, x_scale, w_scale, bias, has_bias, False)
     width = qkv.shape[1]
     at = np.empty(13, np.int64)
+    flat = qkv.reshape(n * width)
+    if Dv % _LANES == 0:
+        # sentence by sentence: its tokens' queries share its keys and values, so they go
+        # four a pass through _attend_groups (one key row, the tokens j * width apart: the
+        # same addresses, so the same numbers, as key_rows gives them)
+        out = np.empty(n * H * Dv, np.float32)
+        length = np.empty(1, np.int64)
+        r = 0
+        while r < n:  # row r starts a sentence of key_len[r] tokens (key_rows[r, 0] == r)
+            L = key_len[r]
+            at[0], at[1], at[2], at[3] = r * width, width, width, Dk
+            at[4], at[5], at[6], at[7], at[8] = H * Dk + r * width, 0, Dk, width, L
+            at[9], at[10], at[11], at[12] = 2 * H * Dk + r * width, 0, Dv, width
+            length[0] = L
+            out[r * H * Dv : (r + L) * H * Dv] = _attend(
+                flat, flat, flat, at, L, 1, H, Dk, Dv, length, L, -1, scale, key_rows[:0, :0])
+            r += max(L, 1)
+        return _quantize_rows(out.reshape(n, H * Dv), levels)
     at[0], at[1], at[2], at[3] = 0, width, width, Dk
     at[4], at[5], at[6], at[7], at[8] = H * Dk, width, Dk, 0, key_rows.shape[1]
     at[9], at[10], at[11], at[12] = 2 * H * Dk, width, Dv, 0
-    flat = qkv.reshape(n * width)
     out = _attend(flat, flat, flat, at, n, 1, H, Dk, Dv, key_len, 1, -1, scale, key_rows)
     return _quantize_rows(out.reshape(n, H * Dv), levels)
 
