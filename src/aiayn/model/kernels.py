@@ -406,7 +406,8 @@ def _attend_groups(q, k, v, at, N, H, D, DV, key_len, group, scale, fetch, out, 
     # row and head, the key and value offsets once, each query's weights as _attend makes
     # them (_head_weights), then the group's value sums four queries a pass, each value row
     # loaded once for them (_value_sum_intrinsic). The same operations for each query as
-    # _attend's, so the same bits. scores: scratch of at least 4 * (T + 1) floats
+    # _attend's, so the same bits. scores: scratch of 4 * (at least T) floats, ko and
+    # vo of T int64s (T: the most keys a row has)
     q0, qr_s, qh_s = at[0], at[1], at[3]
     k0, kr_s, kh_s, kj_s = at[4], at[5], at[6], at[7]
     v0, vr_s, vh_s, vj_s = at[9], at[10], at[11], at[12]
@@ -764,8 +765,11 @@ def _encoder_attention(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, key_row
     if Dv % _LANES == 0:
         # sentence by sentence: its tokens' queries share its keys and values, so they go
         # four a pass through _attend_groups (one key row, the tokens j * width apart: the
-        # same addresses, so the same numbers, as key_rows gives them)
+        # same addresses, so the same numbers, as key_rows gives them), each straight into
+        # its rows of out
         out = np.empty(n * H * Dv, np.float32)
+        S = max(key_rows.shape[1], 1)
+        scores, ko, vo = np.empty(4 * S, np.float32), np.empty(S, np.int64), np.empty(S, np.int64)
         length = np.empty(1, np.int64)
         r = 0
         while r < n:  # row r starts a sentence of key_len[r] tokens (key_rows[r, 0] == r)
@@ -774,8 +778,9 @@ def _encoder_attention(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, key_row
             at[4], at[5], at[6], at[7], at[8] = H * Dk + r * width, 0, Dk, width, L
             at[9], at[10], at[11], at[12] = 2 * H * Dk + r * width, 0, Dv, width
             length[0] = L
-            out[r * H * Dv : (r + L) * H * Dv] = _attend(
-                flat, flat, flat, at, L, 1, H, Dk, Dv, length, L, -1, scale, key_rows[:0, :0])
+            fetch = H * L * (Dk + Dv) * 4 > PREFETCH_BYTES  # as _attend decides
+            _attend_groups(flat, flat, flat, at, L, H, Dk, Dv, length, L, scale, fetch,
+                           out[r * H * Dv:], scores, ko, vo)
             r += max(L, 1)
         return _quantize_rows(out.reshape(n, H * Dv), levels)
     at[0], at[1], at[2], at[3] = 0, width, width, Dk
