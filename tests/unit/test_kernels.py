@@ -539,8 +539,9 @@ def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly(D):
     qkv = torch.from_numpy(kernels._rescale(acc, x_scale, w_scale, bias, True, False))
     want_k = qkv[:, H * D:2 * H * D].view(n, H, D).to(torch.bfloat16)
     assert torch.equal(kb16[:, :, 0].view(torch.int16), want_k.view(torch.int16))
-    # ties (1 + 2^-8 rounds down to even, 1 + 3 * 2^-8 up), a subnormal, a large value and
-    # a NaN, as new keys: with zero sums each key is its bias exactly
+    # ties (1 + 2^-8 rounds down to even, 1 + 3 * 2^-8 up, a negative one), a subnormal, a
+    # large value, one that rounds to -inf, -inf and a NaN, as new keys: with zero sums each
+    # key is its bias exactly
     special = torch.tensor([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, -2.5e-39, 3e38, -3.4e38,
                             float("-inf"), -(1.0 + 2**-8), float("nan")])
     bias[H * D:H * D + special.numel()] = special.numpy()
