@@ -28,9 +28,11 @@ CTranslate2's ISA variants left out). On a CPU without AVX-512 the AVX512 varian
 would die of an illegal instruction); on a simulated AVX2 class CTranslate2 runs with
 ``CT2_FORCE_CPU_ISA=AVX2`` (its own kernels held to AVX2, as its oneDNN products are by
 ``ONEDNN_MAX_CPU_ISA``; aiayn's numba kernels compile for the host CPU unless
-``NUMBA_CPU_NAME=znver3`` holds them to AVX2 too, and FBGEMM, which aiayn's int8 copy runs
+``NUMBA_CPU_NAME=znver3 NUMBA_CPU_FEATURES=+avx2`` holds them to AVX2 too (the name alone does
+not: numba passes the host's features with it), and FBGEMM, which aiayn's int8 copy runs
 for the maps a probe finds faster there, picks AVX-512 unless
-``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``: a faithful simulation sets both); and on a CPU without
+``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``: a faithful simulation sets all three; the bench records
+whether numba's target has AVX-512, ``numba_avx512``); and on a CPU without
 native bf16 the bf16 systems are skipped (emulated bf16 runs 5-45x slower than fp32 there).
 
 With ``--threads T`` >= 2, each engine also runs at its own best layout for T cores:
@@ -81,6 +83,20 @@ def _cpu_class(torch) -> str:
     simulated = any(os.environ.get(v) for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
     return f"{torch.backends.cpu.get_cpu_capability()} class" + (" (simulated)" if simulated
                                                                   else "")
+
+
+def _numba_avx512() -> bool | None:
+    """Whether numba compiles aiayn's kernels with AVX-512: the features it hands LLVM are
+    ``NUMBA_CPU_FEATURES`` where set, else the host's, whatever ``NUMBA_CPU_NAME`` says (None
+    without numba)."""
+    try:
+        from llvmlite import binding
+        from numba.core import config
+    except ImportError:
+        return None
+    if config.CPU_FEATURES is not None:
+        return "+avx512f" in config.CPU_FEATURES.split(",")
+    return bool(binding.get_host_cpu_features().get("avx512f"))
 
 
 def _ct2_isas(torch) -> list[str | None]:
@@ -253,11 +269,13 @@ def main() -> int:
             "cpu_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "cpu_class": _cpu_class(torch),
             "numba_cpu": os.environ.get("NUMBA_CPU_NAME") or "host",
+            "numba_avx512": _numba_avx512(),
             "fbgemm_isa": os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") or "host",
             "note": "measured on a shared 2-core machine: compare ratios within one run"}
-    if "simulated" in info["cpu_class"] and not os.environ.get("NUMBA_CPU_NAME"):
-        print("note: aiayn's numba kernels compile for this CPU whatever torch is held to; "
-              "set NUMBA_CPU_NAME=znver3 (or haswell) to hold them to AVX2 too", flush=True)
+    if "simulated" in info["cpu_class"] and info["numba_avx512"]:
+        print("note: aiayn's numba kernels compile for this CPU (AVX-512) whatever torch is "
+              "held to; set NUMBA_CPU_NAME=znver3 NUMBA_CPU_FEATURES=+avx2 to hold them to "
+              "AVX2 too", flush=True)
     if "simulated" in info["cpu_class"] and not os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS"):
         print("note: FBGEMM (aiayn's packed int8 maps, where faster) picks its kernels from "
               "this CPU; set FBGEMM_ENABLE_INSTRUCTIONS=AVX2 to hold it to AVX2 too", flush=True)
