@@ -146,18 +146,28 @@ def test_the_int8_products_are_exact_on_this_cpu():
                        x8.int() @ q.weight_int8.int().t())
 
 
-@pytest.mark.parametrize("kind", ["onednn", "fbgemm"])
-def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind):
+@pytest.mark.parametrize("kind", ["onednn", "fbgemm", "u8s8"])
+def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind, monkeypatch,
+                                                                    request):
     """Where this machine's oneDNN or FBGEMM gives exact sums over a prepacked int8 weight
-    (weight_packed_faster and weight_fbgemm_rows check that before they time anything), the
-    packed product's outputs equal ``torch._int_mm``'s bit for bit, with bias and relu, at 1,
-    17 and 300 rows, in a deep copy (which packs its own weight: the packed one does not
-    copy), and for FBGEMM where a map takes it up to some row count and ``torch._int_mm``
-    above."""
+    (weight_packed_faster and weight_fbgemm_rows check that before they time anything), or
+    aiayn's u8s8 kernel can run (x86-64 with AVX2; its map made with 7-bit weights, as on a
+    CPU without VNNI), the packed product's outputs equal ``torch._int_mm``'s bit for bit,
+    with bias and relu, at 1, 17 and 300 rows, in a deep copy (which packs its own weight:
+    the packed one does not copy), and for FBGEMM and u8s8 where a map takes it up to some
+    row count and ``torch._int_mm`` above."""
     import copy
 
+    from aiayn.model import kernels, quantize
     from aiayn.model.quantize import _PACK, _fbgemm_product, _packed_product, _quantize_rows
 
+    if kind == "u8s8":
+        if not kernels.u8s8_supported():
+            pytest.skip("the u8s8 product needs x86-64 with AVX2")
+        monkeypatch.setattr(quantize, "weight_levels", lambda: kernels.U8S8_WEIGHT_LEVELS)
+        # the kernel runs only on one torch thread (Int8Linear._product)
+        request.addfinalizer(lambda n=torch.get_num_threads(): torch.set_num_threads(n))
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     q = Int8Linear.from_linear(torch.nn.Linear(512, 200))
     x8, _ = _quantize_rows(torch.randn(8, 512) * 5)
@@ -165,6 +175,7 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind):
     try:
         packed = _PACK[kind](q.weight_int8)
         got = (_fbgemm_product(x8, packed) if kind == "fbgemm"
+               else kernels.u8s8_product(x8, *packed).float() if kind == "u8s8"
                else _packed_product(x8, *packed))
         exact = torch.equal(got, torch._int_mm(x8, q.weight_int8.t()).float())
     except (AttributeError, RuntimeError):  # torch without the op
@@ -177,9 +188,9 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind):
             q._set_packing(None)
             want = [q(torch.randn(m, 512, generator=torch.Generator().manual_seed(m)))
                     for m in (1, 17, 300)]
-            # FBGEMM for every product (whatever is faster here), then up to 17 rows only,
-            # torch._int_mm above: one map taking both paths by its row count
-            for rows in ((1 << 62, 17) if kind == "fbgemm" else (None,)):
+            # FBGEMM (u8s8) for every product (whatever is faster here), then up to 17 rows
+            # only, torch._int_mm above: one map taking both paths by its row count
+            for rows in ((1 << 62, 17) if kind in ("fbgemm", "u8s8") else (None,)):
                 q._set_packing(kind, rows=rows)
                 copied = copy.deepcopy(q)
                 assert copied.packing == kind and copied._packed is None

@@ -1107,6 +1107,190 @@ def _log_softmax(x):  # pragma: no cover - compiled
     return out, True
 
 
+# ---- the int8 product on CPUs without VNNI (the AVX2 class) ----------------------------------
+
+#: output columns of a packed panel (two vectors of 8 int32 sums) and rows of a tile
+_U8S8_COLUMNS, _U8S8_ROWS = 16, 4
+#: the largest weight magnitude the u8 x s8 product sums exactly: ``vpmaddubsw`` adds two
+#: products of an unsigned byte (at most 255) and a signed one into an int16, so
+#: 2 * 255 * 63 = 32,130 fits and 2 * 255 * 127 does not (quantize.weight_levels)
+U8S8_WEIGHT_LEVELS = 63
+
+
+def _u8s8_tile_intrinsic(rows: int):
+    """A numba intrinsic ``(xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co) -> None``: the
+    int32 sums of ``rows`` activation rows (unsigned bytes ``xu``, row r from element
+    ``xo + r * xs``, KB blocks of 4) against one panel of 16 packed weight columns (``w`` from
+    ``wo``: for each block of 4 inputs, 64 bytes, columns 0-7 then 8-15, 4 inputs each),
+    plus ``comp[co : co + 16]``, stored at ``out[oo + r * ostride : + 16]``. Each block is
+    ``vpmaddubsw`` (unsigned activation bytes times signed weight bytes, adjacent products
+    summed into int16: exact for 7-bit weights, :data:`U8S8_WEIGHT_LEVELS`), then
+    ``vpmaddwd`` by ones (int16 pairs into int32), added to sums held in registers. x86
+    with AVX2 only (:func:`u8s8_supported`)."""
+
+    def codegen(context, builder, signature, args):  # pragma: no cover - compile time
+        xu_t, xo_t, xs_t, w_t, wo_t, kb_t, out_t, oo_t, os_t, c_t, co_t = signature.args
+        xu_v, xo_v, xs_v, w_v, wo_v, kb_v, out_v, oo_v, os_v, c_v, co_v = args
+        xu = context.make_array(xu_t)(context, builder, xu_v)
+        w = context.make_array(w_t)(context, builder, w_v)
+        out = context.make_array(out_t)(context, builder, out_v)
+        comp = context.make_array(c_t)(context, builder, c_v)
+        i8, i16, i32, i64 = (_ir.IntType(n) for n in (8, 16, 32, 64))
+        v32i8, v16i16, v8i32 = (_ir.VectorType(i8, 32), _ir.VectorType(i16, 16),
+                                _ir.VectorType(i32, 8))
+        maddubs = _cgutils.get_or_insert_function(
+            builder.module, _ir.FunctionType(v16i16, [v32i8, v32i8]),
+            "llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = _cgutils.get_or_insert_function(
+            builder.module, _ir.FunctionType(v8i32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd")
+
+        def int64(value, ty):
+            return context.cast(builder, value, ty, types.int64)
+
+        xo, xs, wo = int64(xo_v, xo_t), int64(xs_v, xs_t), int64(wo_v, wo_t)
+        KB, oo, ostride = int64(kb_v, kb_t), int64(oo_v, oo_t), int64(os_v, os_t)
+        co = int64(co_v, co_t)
+        zero, ones = _ir.Constant(v8i32, [0] * 8), _ir.Constant(v16i16, [1] * 16)
+        undef = _ir.Constant(v8i32, _ir.Undefined)
+        sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+                for _ in range(rows)]
+        for s in (s for row in sums for s in row):  # (zeroed here, not in the entry block)
+            builder.store(zero, s)
+        with _cgutils.for_range(builder, KB) as loop:
+            kb = loop.index
+            at = builder.add(wo, builder.mul(kb, i64(64)))
+            ws = [builder.load(builder.bitcast(builder.gep(w.data, [builder.add(at, i64(32 * h))]),
+                                               v32i8.as_pointer()), align=1)
+                  for h in range(2)]
+            for r in range(rows):
+                xat = builder.add(builder.add(xo, builder.mul(i64(r), xs)),
+                                  builder.mul(kb, i64(4)))
+                x = builder.load(builder.bitcast(builder.gep(xu.data, [xat]), i32.as_pointer()),
+                                 align=1)  # the row's 4 bytes of this block, to every lane
+                x = builder.bitcast(builder.shuffle_vector(
+                    builder.insert_element(undef, x, i32(0)), undef,
+                    _ir.Constant(v8i32, [0] * 8)), v32i8)
+                for h in range(2):
+                    p = builder.call(maddwd, [builder.call(maddubs, [x, ws[h]]), ones])
+                    builder.store(builder.add(builder.load(sums[r][h]), p), sums[r][h])
+        for h in range(2):
+            c = builder.load(builder.bitcast(builder.gep(comp.data, [builder.add(co, i64(8 * h))]),
+                                             v8i32.as_pointer()), align=4)
+            for r in range(rows):
+                at = builder.add(builder.add(oo, builder.mul(i64(r), ostride)), i64(8 * h))
+                builder.store(builder.add(builder.load(sums[r][h]), c),
+                              builder.bitcast(builder.gep(out.data, [at]), v8i32.as_pointer()),
+                              align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def tile(typingctx, xu, xo, xs, w, wo, KB, out, oo, ostride, comp,
+             co):  # pragma: no cover - compile time
+        arrays = (xu, w, out, comp)
+        if not (all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+                    for a in arrays)
+                and xu.dtype == types.uint8 and w.dtype == types.int8
+                and out.dtype == comp.dtype == types.int32
+                and all(isinstance(t, types.Integer) for t in (xo, xs, wo, KB, oo, ostride, co))):
+            return None
+        return types.void(xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co), codegen
+
+    return tile
+
+
+if numba is not None:
+    _u8s8_tile1, _u8s8_tile2, _u8s8_tile3, _u8s8_tile4 = (_u8s8_tile_intrinsic(r)
+                                                          for r in (1, 2, 3, 4))
+
+
+@_njit()
+def _u8s8_product(x8, packed, comp, N):  # pragma: no cover - compiled
+    # x8 (M, K) int8 -> (M, N) int32: the activations as unsigned bytes x8 + 128 (zero padded
+    # to whole blocks of 4), tiles of 4 rows (then 3, 2 or 1) against each panel of 16
+    # columns; comp (N rounded up to 16,) = -128 * each column's weight sum takes the 128 off
+    M, K = x8.shape
+    P = comp.shape[0] // _U8S8_COLUMNS
+    KB = packed.shape[0] // (P * 64)
+    Kp = 4 * KB
+    xu = np.zeros(M * Kp, np.uint8)
+    for r in range(M):
+        for k in range(K):
+            xu[r * Kp + k] = np.uint8(x8[r, k]) ^ np.uint8(0x80)
+    out = np.empty((M, N), np.int32)
+    flat = out.reshape(-1)
+    tail = np.empty(_U8S8_ROWS * _U8S8_COLUMNS, np.int32)  # a last panel's partial columns
+    for p in range(P):
+        c0, wo = p * _U8S8_COLUMNS, p * KB * 64
+        whole = c0 + _U8S8_COLUMNS <= N
+        r = 0
+        while r < M:
+            n = min(M - r, _U8S8_ROWS)
+            dst, at, stride = (flat, r * N + c0, N) if whole else (tail, 0, _U8S8_COLUMNS)
+            if n == 4:
+                _u8s8_tile4(xu, r * Kp, Kp, packed, wo, KB, dst, at, stride, comp, c0)
+            elif n == 3:
+                _u8s8_tile3(xu, r * Kp, Kp, packed, wo, KB, dst, at, stride, comp, c0)
+            elif n == 2:
+                _u8s8_tile2(xu, r * Kp, Kp, packed, wo, KB, dst, at, stride, comp, c0)
+            else:
+                _u8s8_tile1(xu, r * Kp, Kp, packed, wo, KB, dst, at, stride, comp, c0)
+            if not whole:
+                for i in range(n):
+                    for c in range(N - c0):
+                        out[r + i, c0 + c] = tail[i * _U8S8_COLUMNS + c]
+            r += n
+    return out
+
+
+def u8s8_supported() -> bool:
+    """Whether :func:`u8s8_product` can run here: the kernels available, an x86-64 target, and
+    AVX2 among the features numba compiles for (``NUMBA_CPU_FEATURES`` where set, else the
+    host's: ``NUMBA_CPU_NAME`` alone does not change them)."""
+    if not AVAILABLE:
+        return False
+    from llvmlite import binding
+    from numba.core import config
+
+    if not binding.get_default_triple().startswith("x86_64"):
+        return False
+    if config.CPU_FEATURES is not None:
+        return "+avx2" in config.CPU_FEATURES.split(",")
+    return bool(binding.get_host_cpu_features().get("avx2"))
+
+
+def pack_u8s8(w8: Tensor) -> tuple[np.ndarray, np.ndarray, int]:
+    """An int8 (out, in) weight of at most :data:`U8S8_WEIGHT_LEVELS` in magnitude, packed
+    once for :func:`u8s8_product`: (the packed bytes, int8; the compensation, int32 (out
+    rounded up to 16,); out).
+
+    Raises:
+        ValueError: a weight beyond :data:`U8S8_WEIGHT_LEVELS` (its sums would saturate).
+    """
+    w = w8.contiguous().numpy()
+    if w.size and int(np.abs(w.astype(np.int16)).max()) > U8S8_WEIGHT_LEVELS:
+        raise ValueError(f"pack_u8s8: weights beyond +-{U8S8_WEIGHT_LEVELS} would saturate the "
+                         "u8 x s8 product's int16 pair sums")
+    N, K = w.shape
+    Kp, Np = -(-K // 4) * 4, -(-N // _U8S8_COLUMNS) * _U8S8_COLUMNS
+    padded = np.zeros((Np, Kp), np.int8)
+    padded[:N, :K] = w
+    P, KB = Np // _U8S8_COLUMNS, Kp // 4
+    # panel p, block kb: columns p*16 .. p*16+15, each its 4 inputs kb*4 .. kb*4+3
+    packed = np.ascontiguousarray(padded.reshape(P, 2, 8, KB, 4).transpose(0, 3, 1, 2, 4))
+    comp = (-128 * padded.astype(np.int32).sum(axis=1)).astype(np.int32)
+    return packed.reshape(-1), comp, N
+
+
+def u8s8_product(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int) -> Tensor:
+    """The exact sums ``x8 @ W8^T``, int32 (rows, out), for x8 int8 (rows, in) and a weight
+    packed by :func:`pack_u8s8`: aiayn's product for CPUs with AVX2 but not VNNI, where
+    oneDNN's (``torch._int_mm``) reworks the weight at every call and FBGEMM's takes float
+    input. The activations enter as unsigned bytes ``x8 + 128``, and the packed
+    compensation takes ``128 * sum(w)`` off each column, so the sums are ``torch._int_mm``'s
+    exactly (docs/benchmarks.md). Needs :func:`u8s8_supported`."""
+    return torch.from_numpy(_u8s8_product(x8.contiguous().numpy(), packed, comp, N))
+
+
 #: The kernel families in use: "attention" (:func:`attend`), "int8" (:func:`quantize_rows`,
 #: :func:`rescale`), "search" (:func:`row_argmax`, :func:`beam_top`), "softmax"
 #: (:func:`rescale_log_softmax`, the output layer's), "greedy" (:func:`rescale_greedy`, greedy
@@ -1410,5 +1594,5 @@ def warm_up() -> None:
 
 __all__ = ["AVAILABLE", "ENABLED", "KINDS", "as_array", "attend", "beam_top", "embed",
            "int8_linear", "kv_usable", "layer_norm", "log_softmax", "prefix_lengths",
-           "quantize_rows", "rescale", "rescale_greedy", "rescale_log_softmax", "row_argmax",
-           "usable", "warm_up"]
+           "pack_u8s8", "quantize_rows", "rescale", "rescale_greedy", "rescale_log_softmax",
+           "row_argmax", "u8s8_product", "u8s8_supported", "usable", "warm_up"]

@@ -8,8 +8,9 @@ encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Lin
 - activations: symmetric int8 with one scale per *input row* (per token, per beam row), made
   at each call from that row alone (``x ~ s_x[r] * x8[r, :]``);
 - the product ``x8 @ W8^T`` runs in ``torch._int_mm`` with int32 accumulation, which is exact,
-  or, for a shape where :func:`weight_packing` finds it faster on this machine, in FBGEMM's or
-  oneDNN's int8 linear over a weight packed once (the same exact sums, as float32); then
+  or, for a shape where :func:`weight_packing` finds it faster on this machine, over a weight
+  packed once: in FBGEMM's or oneDNN's int8 linear (the same exact sums, as float32), or, on
+  a CPU without VNNI, in aiayn's own kernel (:func:`aiayn.model.kernels.u8s8_product`); then
   ``y = s_x[r] * s_w[o] * acc + b``.
 
 No scale and no sum mixes rows (unlike per-tensor dynamic quantization, whose one activation
@@ -207,11 +208,57 @@ def weight_fbgemm_rows(in_features: int, out_features: int) -> int:
     return rows if rows < FBGEMM_PROBE_ROWS[-1] else 1 << 62
 
 
+@functools.cache
+def weight_u8s8_rows(in_features: int, out_features: int) -> int:
+    """Up to how many rows aiayn's own int8 product for CPUs without VNNI
+    (:func:`aiayn.model.kernels.u8s8_product`, over a weight packed once) runs this shape
+    faster here than the path it would take otherwise (FBGEMM up to
+    :func:`weight_fbgemm_rows`, ``torch._int_mm`` above): 0 (never), one of
+    :data:`FBGEMM_PROBE_ROWS`, or a very large number (at every size measured). All give the
+    same exact sums, so a map may take either path call by call, by its row count.
+
+    Only where weights are 7 bits (:func:`weight_levels` is 63: the kernel sums exactly only
+    such weights, and a CPU with VNNI keeps 8) and the kernel can run
+    (:func:`aiayn.model.kernels.u8s8_supported`). Measured once per shape and process, as
+    :func:`weight_fbgemm_rows` measures, on one torch thread: the kernel must win by 10% at
+    that size and every smaller one. It runs on one thread, so a map takes it only while
+    torch runs on one (a decoding worker's, :mod:`aiayn.decoding.workers`); with more, the
+    product stays ``torch._int_mm``. Simulated AVX2 class on the family-26 EPYC, one thread: at 32 rows, 256 x 256
+    in 21 against 25 us (``torch._int_mm``) and 256 x 5,852 in 380 against 420 (FBGEMM); level
+    from 128 rows, where oneDNN's own packing of the weight is paid over enough rows
+    (docs/benchmarks.md)."""
+    if weight_levels() != kernels.U8S8_WEIGHT_LEVELS or not kernels.u8s8_supported():
+        return 0
+    w, wt, xs = _probe_operands(in_features, out_features, FBGEMM_PROBE_ROWS)
+    packed = kernels.pack_u8s8(w)
+    for x in xs:
+        if not torch.equal(kernels.u8s8_product(x, *packed), torch._int_mm(x, wt)):
+            return 0
+    fbgemm = weight_fbgemm_rows(in_features, out_features)
+    fb = _pack_fbgemm(w) if fbgemm else None
+    rows, threads = 0, torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel runs on one thread, and only there (_product)
+    try:
+        for x in xs:
+            other = ((lambda: _fbgemm_product(x, fb)) if x.shape[0] <= fbgemm
+                     else (lambda: torch._int_mm(x, wt)))
+            best = _fastest([other, lambda: kernels.u8s8_product(x, *packed)])
+            if not best[1] < 0.9 * best[0]:
+                break
+            rows = x.shape[0]
+    finally:
+        torch.set_num_threads(threads)
+    return rows if rows < FBGEMM_PROBE_ROWS[-1] else 1 << 62
+
+
 def weight_packing(in_features: int, out_features: int) -> str | None:
-    """How an int8 map of this shape runs its product here, by measurement: "fbgemm"
-    (:func:`weight_fbgemm_rows`: up to that many rows; ``torch._int_mm`` above), "onednn"
+    """How an int8 map of this shape runs its product here, by measurement: "u8s8"
+    (:func:`weight_u8s8_rows`: aiayn's kernel on CPUs without VNNI, up to that many rows;
+    ``torch._int_mm`` above), "fbgemm" (:func:`weight_fbgemm_rows`: likewise), "onednn"
     (:func:`weight_packed_faster`), or None (``torch._int_mm`` over the weight as stored).
-    All three give the same exact sums."""
+    All four give the same exact sums."""
+    if weight_u8s8_rows(in_features, out_features):
+        return "u8s8"
     if weight_fbgemm_rows(in_features, out_features):
         return "fbgemm"
     if weight_packed_faster(in_features, out_features):
@@ -219,7 +266,8 @@ def weight_packing(in_features: int, out_features: int) -> str | None:
     return None
 
 
-_PACK = {"onednn": _pack, "fbgemm": _pack_fbgemm}  # packing -> its packer
+# packing -> its packer
+_PACK = {"onednn": _pack, "fbgemm": _pack_fbgemm, "u8s8": kernels.pack_u8s8}
 
 
 # the packed path is dropped at once where one call of it is this many times _int_mm's
@@ -295,15 +343,16 @@ class Int8Linear(nn.Module):
                           if w8.device.type == "cpu" else None)
 
     def _set_packing(self, kind: str | None, rows: int | None = None) -> None:
-        """Run the product over a weight packed now for ``kind`` ("onednn", "fbgemm":
-        :func:`weight_packing`), or through ``torch._int_mm`` (None). FBGEMM's runs products
-        of up to ``rows`` rows (default :func:`weight_fbgemm_rows`'s), ``torch._int_mm`` the
-        larger ones."""
+        """Run the product over a weight packed now for ``kind`` ("onednn", "fbgemm", "u8s8":
+        :func:`weight_packing`), or through ``torch._int_mm`` (None). FBGEMM's and aiayn's
+        u8s8 kernel run products of up to ``rows`` rows (default :func:`weight_fbgemm_rows`'s
+        or :func:`weight_u8s8_rows`'s), ``torch._int_mm`` the larger ones."""
         self.packing = kind
         self._packed = None if kind is None else _PACK[kind](self.weight_int8)
-        if kind == "fbgemm" and rows is None:
-            rows = weight_fbgemm_rows(self.in_features, self.out_features)
-        self.fbgemm_rows = rows if kind == "fbgemm" else 0
+        probe = {"fbgemm": weight_fbgemm_rows, "u8s8": weight_u8s8_rows}.get(kind)
+        if probe is not None and rows is None:
+            rows = probe(self.in_features, self.out_features)
+        self.packed_rows = rows if probe is not None else 0
 
     @property
     def packed(self) -> bool:
@@ -312,7 +361,7 @@ class Int8Linear(nn.Module):
 
     def __getstate__(self) -> dict:
         # the packed weight is an opaque oneDNN tensor or FBGEMM object, which neither copies
-        # nor pickles: a copy packs its own at its first product
+        # nor pickles: a copy packs its own at its first product (aiayn's u8s8 arrays too)
         state = self.__dict__.copy()
         state["_packed"] = None
         state["_numpy"] = None  # views of this module's buffers, not of the copy's
@@ -350,10 +399,13 @@ class Int8Linear(nn.Module):
         if kind is not None and x8.device.type == "cpu":
             if self._packed is None:  # a copy's (__getstate__)
                 self._packed = _PACK[kind](self.weight_int8)
-            if kind != "fbgemm":
+            if kind == "onednn":
                 return _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
-            if x8.shape[0] <= self.fbgemm_rows:
-                return _fbgemm_product(x8, self._packed)  # (rows, out) float32, exact sums
+            if x8.shape[0] <= self.packed_rows:
+                if kind == "fbgemm":
+                    return _fbgemm_product(x8, self._packed)  # (rows, out) float32, exact sums
+                if torch.get_num_threads() == 1:  # the kernel's one thread, as measured
+                    return kernels.u8s8_product(x8, *self._packed)  # (rows, out) int32, exact
         # (the buffer from its dict: nn.Module's __getattr__ is a Python call, every product)
         return torch._int_mm(x8, self._buffers["weight_int8"].t())  # (rows, out) int32, exact
 
