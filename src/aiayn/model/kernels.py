@@ -1107,26 +1107,29 @@ def _log_softmax(x):  # pragma: no cover - compiled
     return out, True
 
 
-# ---- the int8 product on CPUs without VNNI (the AVX2 class) ----------------------------------
+# ---- the int8 product over a weight packed once (aiayn's u8 x s8 kernels) --------------------
 
-#: output columns of a packed panel (two vectors of 8 int32 sums) and rows of a tile
-_U8S8_COLUMNS, _U8S8_ROWS = 16, 4
-#: the largest weight magnitude the u8 x s8 product sums exactly: ``vpmaddubsw`` adds two
-#: products of an unsigned byte (at most 255) and a signed one into an int16, so
-#: 2 * 255 * 63 = 32,130 fits and 2 * 255 * 127 does not (quantize.weight_levels)
-U8S8_WEIGHT_LEVELS = 63
+#: the variants of the u8 x s8 product: int32 lanes a vector, vectors a panel of columns, and
+#: the largest weight magnitude it sums exactly. "avx2" (CPUs without VNNI): ``vpmaddubsw``
+#: adds two products of an unsigned byte (at most 255) and a signed one into an int16, so
+#: 2 * 255 * 63 = 32,130 fits and 2 * 255 * 127 does not (quantize.weight_levels); "vnni"
+#: (AVX-512 VNNI): ``vpdpbusd`` adds four such products straight into an int32
+U8S8_VARIANTS = {"avx2": (8, 2, 63), "vnni": (16, 4, 127)}
+_U8S8_ROWS = 4  # activation rows a tile
 
 
-def _u8s8_tile_intrinsic(rows: int):
+def _u8s8_tile_intrinsic(variant: str, rows: int):
     """A numba intrinsic ``(xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co) -> None``: the
     int32 sums of ``rows`` activation rows (unsigned bytes ``xu``, row r from element
-    ``xo + r * xs``, KB blocks of 4) against one panel of 16 packed weight columns (``w`` from
-    ``wo``: for each block of 4 inputs, 64 bytes, columns 0-7 then 8-15, 4 inputs each),
-    plus ``comp[co : co + 16]``, stored at ``out[oo + r * ostride : + 16]``. Each block is
+    ``xo + r * xs``, KB blocks of 4) against one panel of packed weight columns (``w`` from
+    ``wo``: for each block of 4 inputs, each column's 4 signed bytes, the panel's columns in
+    order), plus ``comp[co:]``, stored at ``out[oo + r * ostride:]``. "avx2": each block is
     ``vpmaddubsw`` (unsigned activation bytes times signed weight bytes, adjacent products
-    summed into int16: exact for 7-bit weights, :data:`U8S8_WEIGHT_LEVELS`), then
-    ``vpmaddwd`` by ones (int16 pairs into int32), added to sums held in registers. x86
-    with AVX2 only (:func:`u8s8_supported`)."""
+    summed into int16: exact for 7-bit weights) then ``vpmaddwd`` by ones (int16 pairs into
+    int32); "vnni": one ``vpdpbusd`` (four products into int32). Either is added to sums held
+    in registers (:data:`U8S8_VARIANTS`). Only where numba's target has the instructions
+    (:func:`u8s8_variants`)."""
+    lanes, vectors, _ = U8S8_VARIANTS[variant]
 
     def codegen(context, builder, signature, args):  # pragma: no cover - compile time
         xu_t, xo_t, xs_t, w_t, wo_t, kb_t, out_t, oo_t, os_t, c_t, co_t = signature.args
@@ -1136,13 +1139,20 @@ def _u8s8_tile_intrinsic(rows: int):
         out = context.make_array(out_t)(context, builder, out_v)
         comp = context.make_array(c_t)(context, builder, c_v)
         i8, i16, i32, i64 = (_ir.IntType(n) for n in (8, 16, 32, 64))
-        v32i8, v16i16, v8i32 = (_ir.VectorType(i8, 32), _ir.VectorType(i16, 16),
-                                _ir.VectorType(i32, 8))
-        maddubs = _cgutils.get_or_insert_function(
-            builder.module, _ir.FunctionType(v16i16, [v32i8, v32i8]),
-            "llvm.x86.avx2.pmadd.ub.sw")
-        maddwd = _cgutils.get_or_insert_function(
-            builder.module, _ir.FunctionType(v8i32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd")
+        vi32 = _ir.VectorType(i32, lanes)
+        if variant == "vnni":  # LLVM's vpdpbusd takes its bytes as int32 vectors
+            vbytes = vi32
+            dpbusd = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(vi32, [vi32] * 3),
+                "llvm.x86.avx512.vpdpbusd.512")
+        else:
+            vbytes, vi16 = _ir.VectorType(i8, 4 * lanes), _ir.VectorType(i16, 2 * lanes)
+            maddubs = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(vi16, [vbytes, vbytes]),
+                "llvm.x86.avx2.pmadd.ub.sw")
+            maddwd = _cgutils.get_or_insert_function(
+                builder.module, _ir.FunctionType(vi32, [vi16, vi16]), "llvm.x86.avx2.pmadd.wd")
+            ones = _ir.Constant(vi16, [1] * (2 * lanes))
 
         def int64(value, ty):
             return context.cast(builder, value, ty, types.int64)
@@ -1150,36 +1160,41 @@ def _u8s8_tile_intrinsic(rows: int):
         xo, xs, wo = int64(xo_v, xo_t), int64(xs_v, xs_t), int64(wo_v, wo_t)
         KB, oo, ostride = int64(kb_v, kb_t), int64(oo_v, oo_t), int64(os_v, os_t)
         co = int64(co_v, co_t)
-        zero, ones = _ir.Constant(v8i32, [0] * 8), _ir.Constant(v16i16, [1] * 16)
-        undef = _ir.Constant(v8i32, _ir.Undefined)
-        sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+        zero, undef = _ir.Constant(vi32, [0] * lanes), _ir.Constant(vi32, _ir.Undefined)
+        sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(vectors)]
                 for _ in range(rows)]
         for s in (s for row in sums for s in row):  # (zeroed here, not in the entry block)
             builder.store(zero, s)
         with _cgutils.for_range(builder, KB) as loop:
             kb = loop.index
-            at = builder.add(wo, builder.mul(kb, i64(64)))
-            ws = [builder.load(builder.bitcast(builder.gep(w.data, [builder.add(at, i64(32 * h))]),
-                                               v32i8.as_pointer()), align=1)
-                  for h in range(2)]
+            at = builder.add(wo, builder.mul(kb, i64(4 * lanes * vectors)))
+            ws = [builder.load(builder.bitcast(
+                builder.gep(w.data, [builder.add(at, i64(4 * lanes * h))]),
+                vbytes.as_pointer()), align=1) for h in range(vectors)]
             for r in range(rows):
                 xat = builder.add(builder.add(xo, builder.mul(i64(r), xs)),
                                   builder.mul(kb, i64(4)))
                 x = builder.load(builder.bitcast(builder.gep(xu.data, [xat]), i32.as_pointer()),
                                  align=1)  # the row's 4 bytes of this block, to every lane
-                x = builder.bitcast(builder.shuffle_vector(
-                    builder.insert_element(undef, x, i32(0)), undef,
-                    _ir.Constant(v8i32, [0] * 8)), v32i8)
-                for h in range(2):
-                    p = builder.call(maddwd, [builder.call(maddubs, [x, ws[h]]), ones])
-                    builder.store(builder.add(builder.load(sums[r][h]), p), sums[r][h])
-        for h in range(2):
-            c = builder.load(builder.bitcast(builder.gep(comp.data, [builder.add(co, i64(8 * h))]),
-                                             v8i32.as_pointer()), align=4)
+                x = builder.shuffle_vector(builder.insert_element(undef, x, i32(0)), undef,
+                                           _ir.Constant(vi32, [0] * lanes))
+                x = builder.bitcast(x, vbytes)
+                for h in range(vectors):
+                    acc = builder.load(sums[r][h])
+                    if variant == "vnni":
+                        acc = builder.call(dpbusd, [acc, x, ws[h]])
+                    else:
+                        acc = builder.add(acc, builder.call(
+                            maddwd, [builder.call(maddubs, [x, ws[h]]), ones]))
+                    builder.store(acc, sums[r][h])
+        for h in range(vectors):
+            c = builder.load(builder.bitcast(
+                builder.gep(comp.data, [builder.add(co, i64(lanes * h))]), vi32.as_pointer()),
+                align=4)
             for r in range(rows):
-                at = builder.add(builder.add(oo, builder.mul(i64(r), ostride)), i64(8 * h))
+                at = builder.add(builder.add(oo, builder.mul(i64(r), ostride)), i64(lanes * h))
                 builder.store(builder.add(builder.load(sums[r][h]), c),
-                              builder.bitcast(builder.gep(out.data, [at]), v8i32.as_pointer()),
+                              builder.bitcast(builder.gep(out.data, [at]), vi32.as_pointer()),
                               align=4)
         return context.get_dummy_value()
 
@@ -1199,96 +1214,153 @@ def _u8s8_tile_intrinsic(rows: int):
 
 
 if numba is not None:
-    _u8s8_tile1, _u8s8_tile2, _u8s8_tile3, _u8s8_tile4 = (_u8s8_tile_intrinsic(r)
+    _avx2_tile1, _avx2_tile2, _avx2_tile3, _avx2_tile4 = (_u8s8_tile_intrinsic("avx2", r)
+                                                          for r in (1, 2, 3, 4))
+    _vnni_tile1, _vnni_tile2, _vnni_tile3, _vnni_tile4 = (_u8s8_tile_intrinsic("vnni", r)
                                                           for r in (1, 2, 3, 4))
 
 
 @_njit()
-def _u8s8_product(x8, packed, comp, N):  # pragma: no cover - compiled
-    # x8 (M, K) int8 -> (M, N) int32: the activations as unsigned bytes x8 + 128 (zero padded
-    # to whole blocks of 4), tiles of 4 rows (then 3, 2 or 1) against each panel of 16
-    # columns; comp (N rounded up to 16,) = -128 * each column's weight sum takes the 128 off
+def _u8s8_bytes(x8, Kp):  # pragma: no cover - compiled
+    # x8 (M, K) int8 -> the unsigned bytes x8 + 128, rows of Kp (zero padded), flat
     M, K = x8.shape
-    P = comp.shape[0] // _U8S8_COLUMNS
-    KB = packed.shape[0] // (P * 64)
-    Kp = 4 * KB
     xu = np.zeros(M * Kp, np.uint8)
     for r in range(M):
         for k in range(K):
             xu[r * Kp + k] = np.uint8(x8[r, k]) ^ np.uint8(0x80)
-    out = np.empty((M, N), np.int32)
+    return xu
+
+
+@_njit(inline="always")
+def _u8s8_tail(out, tail, r, n, c0, cols):  # pragma: no cover - compiled
+    # a last panel's partial columns, written to ``tail`` by the tile, into out[r:r+n, c0:]
+    for i in range(n):
+        for c in range(out.shape[1] - c0):
+            out[r + i, c0 + c] = tail[i * cols + c]
+
+
+# The product over one variant's tiles: x8 (M, K) int8 -> (M, N) int32, tiles of 4 rows (then
+# 3, 2 or 1) against each panel of ``cols`` columns; comp (N rounded up to a panel,) =
+# -128 * each column's weight sum takes the activations' 128 off. One compiled function per
+# variant, with the same loop: LLVM cannot compile a VNNI instruction for a target without it
+# (a fatal error, not an exception), so no function may hold both variants' tiles.
+
+@_njit()
+def _u8s8_product_avx2(x8, packed, comp, N):  # pragma: no cover - compiled
+    cols = 16
+    M, P = x8.shape[0], comp.shape[0] // cols
+    KB = packed.shape[0] // (P * 4 * cols)
+    xu, out, tail = _u8s8_bytes(x8, 4 * KB), np.empty((M, N), np.int32), np.empty(4 * cols,
+                                                                                 np.int32)
     flat = out.reshape(-1)
-    tail = np.empty(_U8S8_ROWS * _U8S8_COLUMNS, np.int32)  # a last panel's partial columns
     for p in range(P):
-        c0, wo = p * _U8S8_COLUMNS, p * KB * 64
-        whole = c0 + _U8S8_COLUMNS <= N
-        r = 0
+        c0, wo, whole, r = p * cols, p * KB * 4 * cols, (p + 1) * cols <= N, 0
         while r < M:
-            n = min(M - r, _U8S8_ROWS)
-            dst, at, stride = (flat, r * N + c0, N) if whole else (tail, 0, _U8S8_COLUMNS)
+            n = min(M - r, 4)
+            dst, at, stride = (flat, r * N + c0, N) if whole else (tail, 0, cols)
+            args = (xu, r * 4 * KB, 4 * KB, packed, wo, KB, dst, at, stride, comp, c0)
             if n == 4:
-                _u8s8_tile4(xu, r * Kp, Kp, packed, wo, KB, dst, at, stride, comp, c0)
+                _avx2_tile4(*args)
             elif n == 3:
-                _u8s8_tile3(xu, r * Kp, Kp, packed, wo, KB, dst, at, stride, comp, c0)
+                _avx2_tile3(*args)
             elif n == 2:
-                _u8s8_tile2(xu, r * Kp, Kp, packed, wo, KB, dst, at, stride, comp, c0)
+                _avx2_tile2(*args)
             else:
-                _u8s8_tile1(xu, r * Kp, Kp, packed, wo, KB, dst, at, stride, comp, c0)
+                _avx2_tile1(*args)
             if not whole:
-                for i in range(n):
-                    for c in range(N - c0):
-                        out[r + i, c0 + c] = tail[i * _U8S8_COLUMNS + c]
+                _u8s8_tail(out, tail, r, n, c0, cols)
             r += n
     return out
 
 
-def u8s8_supported() -> bool:
-    """Whether :func:`u8s8_product` can run here: the kernels available, an x86-64 target, and
-    AVX2 among the features numba compiles for (``NUMBA_CPU_FEATURES`` where set, else the
-    host's: ``NUMBA_CPU_NAME`` alone does not change them)."""
+@_njit()
+def _u8s8_product_vnni(x8, packed, comp, N):  # pragma: no cover - compiled
+    cols = 64
+    M, P = x8.shape[0], comp.shape[0] // cols
+    KB = packed.shape[0] // (P * 4 * cols)
+    xu, out, tail = _u8s8_bytes(x8, 4 * KB), np.empty((M, N), np.int32), np.empty(4 * cols,
+                                                                                 np.int32)
+    flat = out.reshape(-1)
+    for p in range(P):
+        c0, wo, whole, r = p * cols, p * KB * 4 * cols, (p + 1) * cols <= N, 0
+        while r < M:
+            n = min(M - r, 4)
+            dst, at, stride = (flat, r * N + c0, N) if whole else (tail, 0, cols)
+            args = (xu, r * 4 * KB, 4 * KB, packed, wo, KB, dst, at, stride, comp, c0)
+            if n == 4:
+                _vnni_tile4(*args)
+            elif n == 3:
+                _vnni_tile3(*args)
+            elif n == 2:
+                _vnni_tile2(*args)
+            else:
+                _vnni_tile1(*args)
+            if not whole:
+                _u8s8_tail(out, tail, r, n, c0, cols)
+            r += n
+    return out
+
+
+_U8S8_PRODUCT = {"avx2": _u8s8_product_avx2, "vnni": _u8s8_product_vnni}
+
+
+def u8s8_variants() -> tuple[str, ...]:
+    """The variants of :func:`u8s8_product` (:data:`U8S8_VARIANTS`) that can run here, the
+    fastest first: "vnni" where numba's target has AVX-512 VNNI (and BW), "avx2" where it has
+    AVX2; none without the kernels or off x86-64. numba's target features are
+    ``NUMBA_CPU_FEATURES`` where set, else the host's (``NUMBA_CPU_NAME`` alone does not
+    change them)."""
     if not AVAILABLE:
-        return False
+        return ()
     from llvmlite import binding
     from numba.core import config
 
     if not binding.get_default_triple().startswith("x86_64"):
-        return False
+        return ()
     if config.CPU_FEATURES is not None:
-        return "+avx2" in config.CPU_FEATURES.split(",")
-    return bool(binding.get_host_cpu_features().get("avx2"))
+        listed = config.CPU_FEATURES.split(",")
+        has = {f: f"+{f}" in listed for f in ("avx2", "avx512bw", "avx512vnni")}
+    else:
+        host = binding.get_host_cpu_features()
+        has = {f: bool(host.get(f)) for f in ("avx2", "avx512bw", "avx512vnni")}
+    return (("vnni",) if has["avx512bw"] and has["avx512vnni"] else ()) + (
+        ("avx2",) if has["avx2"] else ())
 
 
-def pack_u8s8(w8: Tensor) -> tuple[np.ndarray, np.ndarray, int]:
-    """An int8 (out, in) weight of at most :data:`U8S8_WEIGHT_LEVELS` in magnitude, packed
-    once for :func:`u8s8_product`: (the packed bytes, int8; the compensation, int32 (out
-    rounded up to 16,); out).
+def pack_u8s8(w8: Tensor, variant: str) -> tuple[np.ndarray, np.ndarray, int, str]:
+    """An int8 (out, in) weight packed once for :func:`u8s8_product`'s ``variant``: (the
+    packed bytes, int8; the compensation ``-128 * sum(w)`` per column, int32 (out rounded up
+    to a panel,); out; the variant).
 
     Raises:
-        ValueError: a weight beyond :data:`U8S8_WEIGHT_LEVELS` (its sums would saturate).
+        ValueError: a weight beyond the variant's magnitude (:data:`U8S8_VARIANTS`: its sums
+            would saturate).
     """
+    lanes, vectors, levels = U8S8_VARIANTS[variant]
     w = w8.contiguous().numpy()
-    if w.size and int(np.abs(w.astype(np.int16)).max()) > U8S8_WEIGHT_LEVELS:
-        raise ValueError(f"pack_u8s8: weights beyond +-{U8S8_WEIGHT_LEVELS} would saturate the "
-                         "u8 x s8 product's int16 pair sums")
+    if w.size and int(np.abs(w.astype(np.int16)).max()) > levels:
+        raise ValueError(f"pack_u8s8: weights beyond +-{levels} would saturate the {variant} "
+                         "u8 x s8 product's sums")
+    cols = lanes * vectors
     N, K = w.shape
-    Kp, Np = -(-K // 4) * 4, -(-N // _U8S8_COLUMNS) * _U8S8_COLUMNS
+    Kp, Np = -(-K // 4) * 4, -(-N // cols) * cols
     padded = np.zeros((Np, Kp), np.int8)
     padded[:N, :K] = w
-    P, KB = Np // _U8S8_COLUMNS, Kp // 4
-    # panel p, block kb: columns p*16 .. p*16+15, each its 4 inputs kb*4 .. kb*4+3
-    packed = np.ascontiguousarray(padded.reshape(P, 2, 8, KB, 4).transpose(0, 3, 1, 2, 4))
+    P, KB = Np // cols, Kp // 4
+    # panel p, block kb: columns p*cols .. p*cols+cols-1, each its 4 inputs kb*4 .. kb*4+3
+    packed = np.ascontiguousarray(padded.reshape(P, cols, KB, 4).transpose(0, 2, 1, 3))
     comp = (-128 * padded.astype(np.int32).sum(axis=1)).astype(np.int32)
-    return packed.reshape(-1), comp, N
+    return packed.reshape(-1), comp, N, variant
 
 
-def u8s8_product(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int) -> Tensor:
+def u8s8_product(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int,
+                 variant: str) -> Tensor:
     """The exact sums ``x8 @ W8^T``, int32 (rows, out), for x8 int8 (rows, in) and a weight
-    packed by :func:`pack_u8s8`: aiayn's product for CPUs with AVX2 but not VNNI, where
-    oneDNN's (``torch._int_mm``) reworks the weight at every call and FBGEMM's takes float
-    input. The activations enter as unsigned bytes ``x8 + 128``, and the packed
-    compensation takes ``128 * sum(w)`` off each column, so the sums are ``torch._int_mm``'s
-    exactly (docs/benchmarks.md). Needs :func:`u8s8_supported`."""
-    return torch.from_numpy(_u8s8_product(x8.contiguous().numpy(), packed, comp, N))
+    packed by :func:`pack_u8s8`, on one thread. The activations enter as unsigned bytes
+    ``x8 + 128``, and the packed compensation takes ``128 * sum(w)`` off each column, so the
+    sums are ``torch._int_mm``'s exactly. Where oneDNN (``torch._int_mm``) packs the weight
+    again at every call, this pays at decoding's few rows (docs/benchmarks.md)."""
+    return torch.from_numpy(_U8S8_PRODUCT[variant](x8.contiguous().numpy(), packed, comp, N))
 
 
 #: The kernel families in use: "attention" (:func:`attend`), "int8" (:func:`quantize_rows`,
@@ -1595,4 +1667,4 @@ def warm_up() -> None:
 __all__ = ["AVAILABLE", "ENABLED", "KINDS", "as_array", "attend", "beam_top", "embed",
            "int8_linear", "kv_usable", "layer_norm", "log_softmax", "prefix_lengths",
            "pack_u8s8", "quantize_rows", "rescale", "rescale_greedy", "rescale_log_softmax",
-           "row_argmax", "u8s8_product", "u8s8_supported", "usable", "warm_up"]
+           "row_argmax", "u8s8_product", "u8s8_variants", "usable", "warm_up"]

@@ -208,29 +208,44 @@ def weight_fbgemm_rows(in_features: int, out_features: int) -> int:
     return rows if rows < FBGEMM_PROBE_ROWS[-1] else 1 << 62
 
 
+def u8s8_variant() -> str | None:
+    """The fastest variant of aiayn's u8 x s8 product
+    (:func:`aiayn.model.kernels.u8s8_variants`) that sums this machine's int8 weights
+    (:func:`weight_levels`) exactly: "vnni" (AVX-512 VNNI, any int8 weight), "avx2" (7-bit
+    weights only, which is what a CPU without VNNI stores), or None."""
+    for variant in kernels.u8s8_variants():
+        if weight_levels() <= kernels.U8S8_VARIANTS[variant][2]:
+            return variant
+    return None
+
+
+def _pack_u8s8(w8: Tensor) -> tuple:
+    """:func:`aiayn.model.kernels.pack_u8s8` for :func:`u8s8_variant`."""
+    return kernels.pack_u8s8(w8, u8s8_variant())
+
+
 @functools.cache
 def weight_u8s8_rows(in_features: int, out_features: int) -> int:
-    """Up to how many rows aiayn's own int8 product for CPUs without VNNI
-    (:func:`aiayn.model.kernels.u8s8_product`, over a weight packed once) runs this shape
-    faster here than the path it would take otherwise (FBGEMM up to
-    :func:`weight_fbgemm_rows`, ``torch._int_mm`` above): 0 (never), one of
-    :data:`FBGEMM_PROBE_ROWS`, or a very large number (at every size measured). All give the
-    same exact sums, so a map may take either path call by call, by its row count.
+    """Up to how many rows aiayn's own int8 product (:func:`aiayn.model.kernels.u8s8_product`
+    in :func:`u8s8_variant`, over a weight packed once) runs this shape faster here than the
+    path it would take otherwise (FBGEMM up to :func:`weight_fbgemm_rows`, ``torch._int_mm``
+    above): 0 (never), one of :data:`FBGEMM_PROBE_ROWS`, or a very large number (at every
+    size measured). All give the same exact sums, so a map may take either path call by
+    call, by its row count.
 
-    Only where weights are 7 bits (:func:`weight_levels` is 63: the kernel sums exactly only
-    such weights, and a CPU with VNNI keeps 8) and the kernel can run
-    (:func:`aiayn.model.kernels.u8s8_supported`). Measured once per shape and process, as
-    :func:`weight_fbgemm_rows` measures, on one torch thread: the kernel must win by 10% at
-    that size and every smaller one. It runs on one thread, so a map takes it only while
-    torch runs on one (a decoding worker's, :mod:`aiayn.decoding.workers`); with more, the
-    product stays ``torch._int_mm``. Simulated AVX2 class on the family-26 EPYC, one thread: at 32 rows, 256 x 256
-    in 21 against 25 us (``torch._int_mm``) and 256 x 5,852 in 380 against 420 (FBGEMM); level
-    from 128 rows, where oneDNN's own packing of the weight is paid over enough rows
-    (docs/benchmarks.md)."""
-    if weight_levels() != kernels.U8S8_WEIGHT_LEVELS or not kernels.u8s8_supported():
+    Measured once per shape and process, as :func:`weight_fbgemm_rows` measures, on one
+    torch thread: the kernel must win by 10% at that size and every smaller one. It runs on
+    one thread, so a map takes it only while torch runs on one (a decoding worker's,
+    :mod:`aiayn.decoding.workers`); with more, the product stays torch's. Where oneDNN packs
+    the weight again at every call, the kernel pays at decoding's few rows: on the
+    family-26 EPYC, one thread, 32 x 256 x 5,852 took 99 against 138 us ("vnni"), and
+    simulated without VNNI ("avx2"), 380 against 420 (FBGEMM); at 128 rows the "avx2"
+    variant runs level (docs/benchmarks.md)."""
+    variant = u8s8_variant()
+    if variant is None:
         return 0
     w, wt, xs = _probe_operands(in_features, out_features, FBGEMM_PROBE_ROWS)
-    packed = kernels.pack_u8s8(w)
+    packed = kernels.pack_u8s8(w, variant)
     for x in xs:
         if not torch.equal(kernels.u8s8_product(x, *packed), torch._int_mm(x, wt)):
             return 0
@@ -267,7 +282,7 @@ def weight_packing(in_features: int, out_features: int) -> str | None:
 
 
 # packing -> its packer
-_PACK = {"onednn": _pack, "fbgemm": _pack_fbgemm, "u8s8": kernels.pack_u8s8}
+_PACK = {"onednn": _pack, "fbgemm": _pack_fbgemm, "u8s8": _pack_u8s8}
 
 
 # the packed path is dropped at once where one call of it is this many times _int_mm's
