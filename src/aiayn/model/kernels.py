@@ -1231,77 +1231,62 @@ def _u8s8_bytes(x8, Kp):  # pragma: no cover - compiled
     return xu
 
 
-@_njit(inline="always")
-def _u8s8_tail(out, tail, r, n, c0, cols):  # pragma: no cover - compiled
-    # a last panel's partial columns, written to ``tail`` by the tile, into out[r:r+n, c0:]
-    for i in range(n):
-        for c in range(out.shape[1] - c0):
-            out[r + i, c0 + c] = tail[i * cols + c]
+def _u8s8_tile(marker, n, xu, xo, xs, w, wo, KB, out, oo, ostride, comp,
+               co):  # pragma: no cover - replaced inside compiled code
+    """The tile of ``n`` rows (1-4) of the variant that ``marker``'s dtype names (int16:
+    "avx2", int32: "vnni"), called with the tile intrinsic's arguments. Resolved when the
+    caller is compiled, so a function compiled for one variant holds only that variant's
+    instructions: LLVM cannot compile a VNNI instruction for a target without it (a fatal
+    error, not an exception)."""
+    raise NotImplementedError
 
 
-# The product over one variant's tiles: x8 (M, K) int8 -> (M, N) int32, tiles of 4 rows (then
-# 3, 2 or 1) against each panel of ``cols`` columns; comp (N rounded up to a panel,) =
-# -128 * each column's weight sum takes the activations' 128 off. One compiled function per
-# variant, with the same loop: LLVM cannot compile a VNNI instruction for a target without it
-# (a fatal error, not an exception), so no function may hold both variants' tiles.
+#: the ``marker`` argument of :func:`_u8s8_product` for each variant (see :func:`_u8s8_tile`)
+_U8S8_MARKER = {"avx2": np.empty(0, np.int16), "vnni": np.empty(0, np.int32)}
+
+if numba is not None:
+
+    @overload(_u8s8_tile, inline="always")
+    def _u8s8_tile_overload(marker, n, xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co):  # pragma: no cover - compile time
+        t1, t2, t3, t4 = ((_vnni_tile1, _vnni_tile2, _vnni_tile3, _vnni_tile4)
+                          if marker.dtype == types.int32 else
+                          (_avx2_tile1, _avx2_tile2, _avx2_tile3, _avx2_tile4))
+
+        def tile(marker, n, xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co):
+            if n == 4:
+                t4(xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co)
+            elif n == 3:
+                t3(xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co)
+            elif n == 2:
+                t2(xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co)
+            else:
+                t1(xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co)
+        return tile
+
 
 @_njit()
-def _u8s8_product_avx2(x8, packed, comp, N):  # pragma: no cover - compiled
-    cols = 16
+def _u8s8_product(x8, packed, comp, N, cols, marker):  # pragma: no cover - compiled
+    # x8 (M, K) int8 -> (M, N) int32: tiles of 4 rows (then 3, 2 or 1) against each panel of
+    # ``cols`` columns of ``marker``'s variant; comp (N rounded up to a panel,) = -128 * each
+    # column's weight sum takes the activations' 128 off
     M, P = x8.shape[0], comp.shape[0] // cols
     KB = packed.shape[0] // (P * 4 * cols)
-    xu, out, tail = _u8s8_bytes(x8, 4 * KB), np.empty((M, N), np.int32), np.empty(4 * cols,
-                                                                                 np.int32)
+    xu, out = _u8s8_bytes(x8, 4 * KB), np.empty((M, N), np.int32)
+    tail = np.empty(4 * cols, np.int32)  # a last panel's partial columns
     flat = out.reshape(-1)
     for p in range(P):
         c0, wo, whole, r = p * cols, p * KB * 4 * cols, (p + 1) * cols <= N, 0
         while r < M:
             n = min(M - r, 4)
             dst, at, stride = (flat, r * N + c0, N) if whole else (tail, 0, cols)
-            args = (xu, r * 4 * KB, 4 * KB, packed, wo, KB, dst, at, stride, comp, c0)
-            if n == 4:
-                _avx2_tile4(*args)
-            elif n == 3:
-                _avx2_tile3(*args)
-            elif n == 2:
-                _avx2_tile2(*args)
-            else:
-                _avx2_tile1(*args)
+            _u8s8_tile(marker, n, xu, r * 4 * KB, 4 * KB, packed, wo, KB, dst, at, stride,
+                       comp, c0)
             if not whole:
-                _u8s8_tail(out, tail, r, n, c0, cols)
+                for i in range(n):
+                    for c in range(N - c0):
+                        out[r + i, c0 + c] = tail[i * cols + c]
             r += n
     return out
-
-
-@_njit()
-def _u8s8_product_vnni(x8, packed, comp, N):  # pragma: no cover - compiled
-    cols = 64
-    M, P = x8.shape[0], comp.shape[0] // cols
-    KB = packed.shape[0] // (P * 4 * cols)
-    xu, out, tail = _u8s8_bytes(x8, 4 * KB), np.empty((M, N), np.int32), np.empty(4 * cols,
-                                                                                 np.int32)
-    flat = out.reshape(-1)
-    for p in range(P):
-        c0, wo, whole, r = p * cols, p * KB * 4 * cols, (p + 1) * cols <= N, 0
-        while r < M:
-            n = min(M - r, 4)
-            dst, at, stride = (flat, r * N + c0, N) if whole else (tail, 0, cols)
-            args = (xu, r * 4 * KB, 4 * KB, packed, wo, KB, dst, at, stride, comp, c0)
-            if n == 4:
-                _vnni_tile4(*args)
-            elif n == 3:
-                _vnni_tile3(*args)
-            elif n == 2:
-                _vnni_tile2(*args)
-            else:
-                _vnni_tile1(*args)
-            if not whole:
-                _u8s8_tail(out, tail, r, n, c0, cols)
-            r += n
-    return out
-
-
-_U8S8_PRODUCT = {"avx2": _u8s8_product_avx2, "vnni": _u8s8_product_vnni}
 
 
 def u8s8_variants() -> tuple[str, ...]:
@@ -1360,7 +1345,9 @@ def u8s8_product(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int,
     ``x8 + 128``, and the packed compensation takes ``128 * sum(w)`` off each column, so the
     sums are ``torch._int_mm``'s exactly. Where oneDNN (``torch._int_mm``) packs the weight
     again at every call, this pays at decoding's few rows (docs/benchmarks.md)."""
-    return torch.from_numpy(_U8S8_PRODUCT[variant](x8.contiguous().numpy(), packed, comp, N))
+    lanes, vectors, _ = U8S8_VARIANTS[variant]
+    return torch.from_numpy(_u8s8_product(x8.contiguous().numpy(), packed, comp, N,
+                                          lanes * vectors, _U8S8_MARKER[variant]))
 
 
 #: The kernel families in use: "attention" (:func:`attend`), "int8" (:func:`quantize_rows`,
