@@ -85,20 +85,6 @@ def _cpu_class(torch) -> str:
                                                                   else "")
 
 
-def _numba_avx512() -> bool | None:
-    """Whether numba compiles aiayn's kernels with AVX-512: the features it hands LLVM are
-    ``NUMBA_CPU_FEATURES`` where set, else the host's, whatever ``NUMBA_CPU_NAME`` says (None
-    without numba)."""
-    try:
-        from llvmlite import binding
-        from numba.core import config
-    except ImportError:
-        return None
-    if config.CPU_FEATURES is not None:
-        return "+avx512f" in config.CPU_FEATURES.split(",")
-    return bool(binding.get_host_cpu_features().get("avx512f"))
-
-
 def _ct2_isas(torch) -> list[str | None]:
     """The ``CT2_FORCE_CPU_ISA`` values to run CTranslate2 under (None: its own choice).
     Where torch found AVX-512: AVX512 and CTranslate2's default. On a simulated AVX2 class
@@ -232,6 +218,7 @@ def main() -> int:
     from aiayn.interop.marian import import_hf
     from aiayn.decoding import DecodeStats
     from aiayn.translator import Translator
+    from aiayn.model import kernels
     # CT2_FORCE_CPU_ISA=AVX512 on a CPU without AVX-512 dies of an illegal instruction: that
     # variant runs only where torch found AVX-512 (ATEN_CPU_CAPABILITY=avx2 simulates its absence)
     capability = torch.backends.cpu.get_cpu_capability()
@@ -269,7 +256,7 @@ def main() -> int:
             "cpu_native_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
             "cpu_class": _cpu_class(torch),
             "numba_cpu": os.environ.get("NUMBA_CPU_NAME") or "host",
-            "numba_avx512": _numba_avx512(),
+            "numba_avx512": kernels.numba_target_has("avx512f"),
             "fbgemm_isa": os.environ.get("FBGEMM_ENABLE_INSTRUCTIONS") or "host",
             "note": "measured on a shared 2-core machine: compare ratios within one run"}
     if "simulated" in info["cpu_class"] and info["numba_avx512"]:

@@ -182,7 +182,9 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind, monke
         exact = torch.equal(got, torch._int_mm(x8, q.weight_int8.t()).float())
     except (AttributeError, RuntimeError):  # torch without the op
         exact = False
-    if not exact:
+    if kind == "u8s8":  # aiayn's own kernel: exact wherever it runs, or a failure
+        assert exact
+    elif not exact:
         pytest.skip(f"{kind}'s packed int8 product is missing or not exact on this CPU")
     for relu in (False, True):
         q.relu = relu

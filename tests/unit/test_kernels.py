@@ -686,12 +686,13 @@ def test_the_embedding_kernel_gives_torchs_numbers(positional):
 @pytest.mark.parametrize("variant", ["avx2", "vnni"])
 @pytest.mark.parametrize("M, K, N", [(1, 8, 16), (2, 12, 20), (3, 10, 7), (4, 256, 256),
                                      (5, 64, 40), (33, 512, 600), (130, 64, 48)])
-def test_the_u8s8_product_is_int_mms_sums_bit_for_bit(variant, M, K, N):
+def test_the_u8s8_product_gives_the_exact_integer_sums(variant, M, K, N):
     """aiayn's int8 product over a packed weight, in each variant this machine can run (tiles
     of 4, 3, 2 and 1 rows, a last panel of fewer columns, inputs not a multiple of 4), gives
-    ``torch._int_mm``'s exact sums for the weights it takes (7 bits for "avx2", 8 for
-    "vnni"), including full-range activation rows against full-range weight rows (where an
-    int16 pair sum of wider weights would saturate); it refuses wider weights."""
+    the exact integer sums (an int32 matrix product, not another int8 kernel) for the
+    weights it takes (7 bits for "avx2", 8 for "vnni"), including full-range activation
+    rows against full-range weight rows (where an int16 pair sum of wider weights would
+    saturate), from contiguous and column-major inputs; it refuses wider weights."""
     if variant not in kernels.u8s8_variants():
         pytest.skip(f"numba's target here lacks the {variant} instructions")
     gen = torch.Generator().manual_seed(M * 1000 + N)
@@ -700,7 +701,7 @@ def test_the_u8s8_product_is_int_mms_sums_bit_for_bit(variant, M, K, N):
     x = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=gen)
     w[0], w[-1], x[0], x[-1] = levels, -levels, 127, -127
     packed = kernels.pack_u8s8(w, variant)
-    want = torch._int_mm(torch.cat([x, x.new_zeros(17, K)]), w.t().contiguous())[:M]
+    want = x.int() @ w.int().t()
     assert torch.equal(kernels.u8s8_product(x, *packed), want)
     assert torch.equal(kernels.u8s8_product(x.t().contiguous().t(), *packed), want)
     if levels < 127:

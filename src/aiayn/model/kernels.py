@@ -22,6 +22,7 @@ attention is the same bit for bit alone, in a batch of 16 or in the whole set.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -122,6 +123,11 @@ if numba is not None:
         return lambda a, i: _prefetch_intrinsic(a, i)
 
 
+def _as_int64(context, builder, value, ty):  # pragma: no cover - compile time
+    """An intrinsic's integer argument ``value`` (of numba type ``ty``) as an LLVM i64."""
+    return context.cast(builder, value, ty, types.int64)
+
+
 #: float32 lanes of one vector register in the value sums' code (AVX-512; LLVM splits each
 #: into two on the AVX2 class)
 _LANES = 16
@@ -158,7 +164,7 @@ def _value_sum_intrinsic(queries: int):
             builder.module, _ir.FunctionType(lanes_f32, [lanes_f32] * 3), "llvm.fma.v16f32")
 
         def int64(value, ty):
-            return context.cast(builder, value, ty, types.int64)
+            return _as_int64(context, builder, value, ty)
 
         oo, ostride = int64(oo_v, oo_t), int64(os_v, os_t)
         wstride, n, DV = int64(ws_v, ws_t), int64(n_v, n_t), int64(dv_v, dv_t)
@@ -236,9 +242,8 @@ def _store_rows_codegen(context, builder, signature, args):  # pragma: no cover 
     L = _LANES
     lf, li, lh = _ir.VectorType(f32, L), _ir.VectorType(i32, L), _ir.VectorType(i16, L)
     bf16 = dst_t.dtype == types.uint16
-    do = context.cast(builder, do_v, do_t, types.int64)
-    so = context.cast(builder, so_v, so_t, types.int64)
-    d = context.cast(builder, d_v, d_t, types.int64)
+    do, so = _as_int64(context, builder, do_v, do_t), _as_int64(context, builder, so_v, so_t)
+    d = _as_int64(context, builder, d_v, d_t)
 
     def splat(ty, value):
         return _ir.Constant(ty, [value] * L)
@@ -365,6 +370,15 @@ def _axpy4(ov, v, w0, o0, w1, o1, w2, o2, w3, o3):  # pragma: no cover - compile
 
 
 @_njit(inline="always")
+def _fetches(key_sets, H, T, row_bytes):  # pragma: no cover - compiled
+    # whether one attention call reads more keys and values than a core's level-2 cache
+    # holds (PREFETCH_BYTES), so that prefetching the next head's rows pays: key_sets sets
+    # (a sentence's, or a beam group's) of H heads x T key positions, each position's key and
+    # value row_bytes together
+    return key_sets * H * T * row_bytes > PREFETCH_BYTES
+
+
+@_njit(inline="always")
 def _head_weights(q, qo, k, ko, n, D, scale, scores):  # pragma: no cover - compiled
     # one (query, head)'s softmax numerators over its n keys (eq. 1): exp(s_j - max s) into
     # scores[:n], s_j = (q . key j) * scale with the query at q[qo:] and key j at k[ko[j]:];
@@ -478,7 +492,7 @@ def _attend(q, k, v, at, N, Tq, H, D, DV, key_len, group, causal_from, scale,
     by_row = key_rows.shape[0] > 0
     zero = np.float32(0.0)
     # the bytes of keys and values the call reads (each key row's once)
-    fetch = (N // group) * H * T * (D * k.itemsize + DV * v.itemsize) > PREFETCH_BYTES
+    fetch = _fetches(N // group, H, T, D * k.itemsize + DV * v.itemsize)
     if group > 1 and Tq == 1 and not by_row and DV % _LANES == 0:
         _attend_groups(q, k, v, at, N, H, D, DV, key_len, group, scale, fetch, out, scores,
                        ko, vo)
@@ -778,7 +792,7 @@ def _encoder_attention(acc, x_scale, w_scale, bias, has_bias, H, Dk, Dv, key_row
             at[4], at[5], at[6], at[7], at[8] = H * Dk + r * width, 0, Dk, width, L
             at[9], at[10], at[11], at[12] = 2 * H * Dk + r * width, 0, Dv, width
             length[0] = L
-            fetch = H * L * (Dk + Dv) * 4 > PREFETCH_BYTES  # as _attend decides
+            fetch = _fetches(1, H, L, (Dk + Dv) * 4)
             _attend_groups(flat, flat, flat, at, L, H, Dk, Dv, length, L, scale, fetch,
                            out[r * H * Dv:], scores, ko, vo)
             r += max(L, 1)
@@ -1155,7 +1169,7 @@ def _u8s8_tile_intrinsic(variant: str, rows: int):
             ones = _ir.Constant(vi16, [1] * (2 * lanes))
 
         def int64(value, ty):
-            return context.cast(builder, value, ty, types.int64)
+            return _as_int64(context, builder, value, ty)
 
         xo, xs, wo = int64(xo_v, xo_t), int64(xs_v, xs_t), int64(wo_v, wo_t)
         KB, oo, ostride = int64(kb_v, kb_t), int64(oo_v, oo_t), int64(os_v, os_t)
@@ -1247,7 +1261,8 @@ _U8S8_MARKER = {"avx2": np.empty(0, np.int16), "vnni": np.empty(0, np.int32)}
 if numba is not None:
 
     @overload(_u8s8_tile, inline="always")
-    def _u8s8_tile_overload(marker, n, xu, xo, xs, w, wo, KB, out, oo, ostride, comp, co):  # pragma: no cover - compile time
+    def _u8s8_tile_overload(marker, n, xu, xo, xs, w, wo, KB, out, oo, ostride, comp,
+                            co):  # pragma: no cover - compile time
         t1, t2, t3, t4 = ((_vnni_tile1, _vnni_tile2, _vnni_tile3, _vnni_tile4)
                           if marker.dtype == types.int32 else
                           (_avx2_tile1, _avx2_tile2, _avx2_tile3, _avx2_tile4))
@@ -1266,18 +1281,19 @@ if numba is not None:
 
 @_njit()
 def _u8s8_product(x8, packed, comp, N, cols, marker):  # pragma: no cover - compiled
-    # x8 (M, K) int8 -> (M, N) int32: tiles of 4 rows (then 3, 2 or 1) against each panel of
+    # x8 (M, K) int8 -> (M, N) int32: tiles of _U8S8_ROWS = 4 rows (then 3, 2 or 1, the
+    # intrinsics _u8s8_tile picks) against each panel of
     # ``cols`` columns of ``marker``'s variant; comp (N rounded up to a panel,) = -128 * each
     # column's weight sum takes the activations' 128 off
     M, P = x8.shape[0], comp.shape[0] // cols
     KB = packed.shape[0] // (P * 4 * cols)
     xu, out = _u8s8_bytes(x8, 4 * KB), np.empty((M, N), np.int32)
-    tail = np.empty(4 * cols, np.int32)  # a last panel's partial columns
+    tail = np.empty(_U8S8_ROWS * cols, np.int32)  # a last panel's partial columns
     flat = out.reshape(-1)
     for p in range(P):
         c0, wo, whole, r = p * cols, p * KB * 4 * cols, (p + 1) * cols <= N, 0
         while r < M:
-            n = min(M - r, 4)
+            n = min(M - r, _U8S8_ROWS)
             dst, at, stride = (flat, r * N + c0, N) if whole else (tail, 0, cols)
             _u8s8_tile(marker, n, xu, r * 4 * KB, 4 * KB, packed, wo, KB, dst, at, stride,
                        comp, c0)
@@ -1289,27 +1305,35 @@ def _u8s8_product(x8, packed, comp, N, cols, marker):  # pragma: no cover - comp
     return out
 
 
-def u8s8_variants() -> tuple[str, ...]:
-    """The variants of :func:`u8s8_product` (:data:`U8S8_VARIANTS`) that can run here, the
-    fastest first: "vnni" where numba's target has AVX-512 VNNI (and BW), "avx2" where it has
-    AVX2; none without the kernels or off x86-64. numba's target features are
-    ``NUMBA_CPU_FEATURES`` where set, else the host's (``NUMBA_CPU_NAME`` alone does not
-    change them)."""
-    if not AVAILABLE:
-        return ()
+def numba_target_has(feature: str) -> bool:
+    """Whether numba compiles for a CPU with ``feature`` (LLVM's name: "avx2", "avx512f",
+    "avx512vnni", ...). numba hands LLVM ``NUMBA_CPU_FEATURES`` where set, else the host's
+    features, whatever ``NUMBA_CPU_NAME`` says: the name alone does not hold the kernels to
+    AVX2 (docs/hardware.md). False without numba."""
+    if numba is None:
+        return False
     from llvmlite import binding
     from numba.core import config
 
+    if config.CPU_FEATURES is not None:
+        return f"+{feature}" in config.CPU_FEATURES.split(",")
+    return bool(binding.get_host_cpu_features().get(feature))
+
+
+@functools.cache
+def u8s8_variants() -> tuple[str, ...]:
+    """The variants of :func:`u8s8_product` (:data:`U8S8_VARIANTS`) that can run here, the
+    fastest first: "vnni" where numba's target has AVX-512 VNNI (and BW), "avx2" where it has
+    AVX2 (:func:`numba_target_has`); none without the kernels or off x86-64. Fixed for the
+    process."""
+    if not AVAILABLE:
+        return ()
+    from llvmlite import binding
+
     if not binding.get_default_triple().startswith("x86_64"):
         return ()
-    if config.CPU_FEATURES is not None:
-        listed = config.CPU_FEATURES.split(",")
-        has = {f: f"+{f}" in listed for f in ("avx2", "avx512bw", "avx512vnni")}
-    else:
-        host = binding.get_host_cpu_features()
-        has = {f: bool(host.get(f)) for f in ("avx2", "avx512bw", "avx512vnni")}
-    return (("vnni",) if has["avx512bw"] and has["avx512vnni"] else ()) + (
-        ("avx2",) if has["avx2"] else ())
+    vnni = numba_target_has("avx512bw") and numba_target_has("avx512vnni")
+    return (("vnni",) if vnni else ()) + (("avx2",) if numba_target_has("avx2") else ())
 
 
 def pack_u8s8(w8: Tensor, variant: str) -> tuple[np.ndarray, np.ndarray, int, str]:
@@ -1652,6 +1676,7 @@ def warm_up() -> None:
 
 
 __all__ = ["AVAILABLE", "ENABLED", "KINDS", "as_array", "attend", "beam_top", "embed",
-           "int8_linear", "kv_usable", "layer_norm", "log_softmax", "prefix_lengths",
-           "pack_u8s8", "quantize_rows", "rescale", "rescale_greedy", "rescale_log_softmax",
-           "row_argmax", "u8s8_product", "u8s8_variants", "usable", "warm_up"]
+           "int8_linear", "kv_usable", "layer_norm", "log_softmax", "numba_target_has",
+           "pack_u8s8", "prefix_lengths", "quantize_rows", "rescale", "rescale_greedy",
+           "rescale_log_softmax", "row_argmax", "u8s8_product", "u8s8_variants", "usable",
+           "warm_up"]

@@ -9,8 +9,8 @@ encoder and decoder, and the tied pre-softmax map (§3.4), is an :class:`Int8Lin
   at each call from that row alone (``x ~ s_x[r] * x8[r, :]``);
 - the product ``x8 @ W8^T`` runs in ``torch._int_mm`` with int32 accumulation, which is exact,
   or, for a shape where :func:`weight_packing` finds it faster on this machine, over a weight
-  packed once: in FBGEMM's or oneDNN's int8 linear (the same exact sums, as float32), or, on
-  a CPU without VNNI, in aiayn's own kernel (:func:`aiayn.model.kernels.u8s8_product`); then
+  packed once: in FBGEMM's or oneDNN's int8 linear (the same exact sums, as float32), or in
+  aiayn's own kernel (:func:`aiayn.model.kernels.u8s8_product`, with or without VNNI); then
   ``y = s_x[r] * s_w[o] * acc + b``.
 
 No scale and no sum mixes rows (unlike per-tensor dynamic quantization, whose one activation
@@ -199,10 +199,18 @@ def weight_fbgemm_rows(in_features: int, out_features: int) -> int:
                 return 0
     except RuntimeError:  # pragma: no cover - a torch built without FBGEMM's kernels
         return 0
+    return _rows_faster(xs, lambda x: torch._int_mm(x, wt),
+                        lambda x: _fbgemm_product(x, packed))
+
+
+def _rows_faster(xs: list[Tensor], other, path) -> int:
+    """Up to how many rows ``path(x)`` runs 10% faster than ``other(x)`` at each probe input
+    of ``xs`` (in :data:`FBGEMM_PROBE_ROWS`' row counts) and every smaller one, each the
+    fastest of five: 0, one of those counts, or a very large number (at every size)."""
     rows = 0
     for x in xs:
-        mm, fb = _fastest([lambda: torch._int_mm(x, wt), lambda: _fbgemm_product(x, packed)])
-        if not fb < 0.9 * mm:
+        best = _fastest([lambda: other(x), lambda: path(x)])
+        if not best[1] < 0.9 * best[0]:
             break
         rows = x.shape[0]
     return rows if rows < FBGEMM_PROBE_ROWS[-1] else 1 << 62
@@ -251,24 +259,19 @@ def weight_u8s8_rows(in_features: int, out_features: int) -> int:
             return 0
     fbgemm = weight_fbgemm_rows(in_features, out_features)
     fb = _pack_fbgemm(w) if fbgemm else None
-    rows, threads = 0, torch.get_num_threads()
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the kernel runs on one thread, and only there (_product)
     try:
-        for x in xs:
-            other = ((lambda: _fbgemm_product(x, fb)) if x.shape[0] <= fbgemm
-                     else (lambda: torch._int_mm(x, wt)))
-            best = _fastest([other, lambda: kernels.u8s8_product(x, *packed)])
-            if not best[1] < 0.9 * best[0]:
-                break
-            rows = x.shape[0]
+        return _rows_faster(xs, lambda x: (_fbgemm_product(x, fb) if x.shape[0] <= fbgemm
+                                           else torch._int_mm(x, wt)),
+                            lambda x: kernels.u8s8_product(x, *packed))
     finally:
         torch.set_num_threads(threads)
-    return rows if rows < FBGEMM_PROBE_ROWS[-1] else 1 << 62
 
 
 def weight_packing(in_features: int, out_features: int) -> str | None:
     """How an int8 map of this shape runs its product here, by measurement: "u8s8"
-    (:func:`weight_u8s8_rows`: aiayn's kernel on CPUs without VNNI, up to that many rows;
+    (:func:`weight_u8s8_rows`: aiayn's kernel, up to that many rows on one thread;
     ``torch._int_mm`` above), "fbgemm" (:func:`weight_fbgemm_rows`: likewise), "onednn"
     (:func:`weight_packed_faster`), or None (``torch._int_mm`` over the weight as stored).
     All four give the same exact sums."""
