@@ -31,7 +31,7 @@ LR_SCHEDULES = tuple(LR_SCHEDULE_TITLES)
 # here, below it, because DataConfig checks data.preprocess against them
 RAW_TEXT, PROTOCOL_TEXT = "none", "lc-norm-tok"
 PREPROCESS_MODES = (RAW_TEXT, PROTOCOL_TEXT)
-TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "bf16-weights")  # aiayn.precision
+TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "bf16-weights", "fp16")  # aiayn.precision
 DIST_BACKENDS = ("auto", "nccl", "gloo")  # aiayn.training.distributed.init_distributed
 DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # aiayn.precision
 # fields that runs of earlier versions wrote into config.json, replaced by train.precision
@@ -253,11 +253,18 @@ class TrainConfig:
     max_steps: int = 100_000  # updates; base trained 100K, big 300K (§5.2)
     time_budget_s: float = 0.0  # 0: no limit; else stop after this many seconds of training
     # "fp32"; "bf16" (torch.autocast); "bf16-weights" (forward and backward on a bf16 copy of
-    # the weights, Adam on the float32 masters that checkpoints hold); "auto": bf16-weights
-    # where a short probe finds bf16 faster on this machine, else fp32 (aiayn.precision)
+    # the weights, Adam on the float32 masters that checkpoints hold); "fp16" (torch.autocast
+    # in float16 with a dynamic loss scale, torch.amp.GradScaler); "auto": on a CPU
+    # bf16-weights where a short probe finds bf16 faster, else fp32; on a GPU bf16 from
+    # compute capability 8.0, fp16 below it (aiayn.precision)
     precision: str = "auto"
+    # float32 matrix products on GPUs of compute capability 8.0 or more (Ampere and later) in
+    # TF32 (torch.backends.cuda.matmul); false keeps them in full float32
+    tf32: bool = True
+    # both may be on; each writes checkpoints/step-N when due. The paper wrote one every
+    # 10 minutes (§6.1); base and big state it in updates (configs/base.toml)
     checkpoint_every_steps: int = 0  # 0: off
-    checkpoint_every_s: float = 600.0  # the paper wrote one every 10 minutes, §6.1
+    checkpoint_every_s: float = 600.0  # 0: off
     keep_last: int = 5  # checkpoints kept; averaging uses the last 5 (base) or 20 (big)
     # > 0: also keep an exponential moving average of the weights, updated after every update
     # with this decay (not in the paper, whose §6.1 averages checkpoints), saved as RUN/ema

@@ -29,6 +29,22 @@ def widen_onednn_cache(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
 
 
+def set_tf32(enabled: bool) -> None:
+    """Let CUDA float32 matrix products run on TF32 tensor cores (10-bit mantissa, float32
+    range; compute capability 8.0 and later) or keep them in full float32, for the whole
+    process: ``torch.backends.cuda.matmul.fp32_precision`` (``"tf32"`` or ``"ieee"``) where
+    torch has it (2.9 and later, which refuses a mix of it and the older flag), else
+    ``torch.backends.cuda.matmul.allow_tf32``. The training run calls it with its precision's
+    ``tf32`` (:func:`aiayn.precision.gpu_precision`); it changes nothing on a CPU."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+    else:  # torch 2.6-2.8
+        matmul.allow_tf32 = enabled
+
+
 # glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20

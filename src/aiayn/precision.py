@@ -8,8 +8,15 @@
   the float32 masters (``aiayn.training.mixed``);
 - ``int8`` (decoding only, on a CPU): an int8 copy of the model
   (:func:`aiayn.model.quantize.quantize_int8`: int8 weights, per-row int8 activations);
-- ``auto``: a reduced precision only where it is faster here. On CUDA that is bf16 on a
-  device with bf16 support. On a CPU bf16 is decided by :func:`probe_cpu`, which times the
+- ``fp16`` (training only): ``torch.autocast(dtype=float16)`` with a dynamic loss scale
+  (``torch.amp.GradScaler``, as fairseq's ``--fp16`` and Sockeye's ``--amp``);
+- ``auto``: a reduced precision only where it is faster here. On a GPU it is decided by the
+  compute capability alone (:func:`gpu_precision`): bf16 from 8.0 (Ampere), where bf16 has
+  tensor cores; fp16 with a loss scale below it, for training, where fp16 is fast (tensor
+  cores from 7.0, Volta); else fp32. Not ``torch.cuda.is_bf16_supported()``, which since
+  torch 2.4 is true on V100, T4 and P100 too, where bf16 is emulated and slow. float32
+  matrix products run in TF32 from 8.0 unless ``train.tf32`` is false.
+  On a CPU bf16 is decided by :func:`probe_cpu`, which times the
   model's own matrix-product shapes in
   fp32 and in bf16 for a few tens of milliseconds: CPUs with native bf16 (AVX-512 BF16, AMX)
   run those products 4-5x faster than fp32, CPUs without it (AVX2 only: Zen 3, most laptops)
@@ -57,6 +64,14 @@ SCREEN_ROWS = 32  # rows of the first, smaller probe that settles it where bf16 
 # steps a call, over an output layer of at most 2,048 tokens (the rate, not the layer)
 STEP_PROBE_SENTENCES, STEP_PROBE_BEAM, STEP_PROBE_SOURCE, STEP_PROBE_STEPS = 16, 4, 16, 8
 STEP_PROBE_VOCAB = 2048
+# GPU compute capabilities (major, minor), from NVIDIA's CUDA programming guide (arithmetic
+# instructions' throughput): bf16 and TF32 tensor cores from 8.0 (Ampere); below it torch runs
+# bf16 by emulation. fp16 tensor cores from 7.0 (Volta); before Volta fp16 runs at twice
+# fp32's rate only on 5.3, 6.0 (P100) and 6.2, at 1/64 of it on 6.1 (P40, GTX 10x0)
+BF16_MIN_CAPABILITY = (8, 0)
+TF32_MIN_CAPABILITY = (8, 0)
+FP16_MIN_CAPABILITY = (7, 0)
+FAST_FP16_BEFORE_VOLTA = ((5, 3), (6, 0), (6, 2))
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,10 @@ class Precision:
             on the process's current threads (None when no probe ran).
         int8_speedup: for decoding's ``auto``, how many times as fast a cached decoder step
             runs on the model's int8 copy as in fp32 (:func:`probe_int8_step`).
+        tf32: whether float32 matrix products run in TF32 (a GPU of compute capability 8.0
+            or more, ``train.tf32``); set for the process by
+            :func:`aiayn.devices.set_tf32`.
+        capability: a GPU's compute capability, ``"8.6"`` (None on a CPU).
     """
 
     requested: str
@@ -79,6 +98,8 @@ class Precision:
     fp32_gflops: float | None = None
     bf16_gflops: float | None = None
     int8_speedup: float | None = None
+    tf32: bool = False
+    capability: str | None = None
 
     @property
     def uses_bf16(self) -> bool:
@@ -97,9 +118,16 @@ class Precision:
         """Whether training runs forward and backward on a bf16 copy of the weights."""
         return self.chosen == "bf16-weights"
 
+    @property
+    def loss_scaling(self) -> bool:
+        """Whether training scales the loss (``fp16``: its gradients would underflow
+        float16 without it; ``torch.amp.GradScaler``)."""
+        return self.chosen == "fp16"
+
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values, as ``metrics.jsonl`` and ``results.json`` hold them."""
-        return asdict(self)
+        """The fields as plain values, and ``loss_scaling``, as ``metrics.jsonl`` and
+        ``results.json`` hold them."""
+        return {**asdict(self), "loss_scaling": self.loss_scaling}
 
     def describe(self) -> str:
         """``precision fp32 (auto: ...)``: the line training and decoding print at start."""
@@ -227,8 +255,79 @@ def probe_cpu(model: ModelConfig, rows: int = PROBE_ROWS) -> tuple[float, float]
     return _probe(tuple(product_shapes(model, rows)), torch.get_num_threads())
 
 
+def gpu_precision(requested: str, capability: tuple[int, int], *, training: bool = True,
+                  tf32: bool = True, name: str = "the GPU") -> Precision:
+    """The precision on a GPU of compute ``capability`` (major, minor), a pure function of it:
+
+    - ``auto``: ``bf16`` from :data:`BF16_MIN_CAPABILITY` (8.0, Ampere); below it, for
+      training, ``fp16`` with a loss scale where fp16 is fast (:data:`FP16_MIN_CAPABILITY`,
+      7.0, or one of :data:`FAST_FP16_BEFORE_VOLTA`), else ``fp32``; for decoding ``fp32``.
+    - an explicit precision is kept, with a warning in ``reason`` where the GPU lacks it
+      (bf16 below 8.0 is emulated; fp16 on 6.1 runs at 1/64 of fp32's rate).
+    - ``tf32``: float32 matrix products in TF32 where training asks for it (``train.tf32``)
+      and the GPU has it (:data:`TF32_MIN_CAPABILITY`), whatever the precision (under
+      autocast few products stay in float32).
+
+    Args:
+        requested: one of :data:`~aiayn.config.TRAIN_PRECISIONS` (training) or
+            :data:`~aiayn.config.DECODE_PRECISIONS`.
+        capability: ``torch.cuda.get_device_capability``'s (major, minor).
+        training: a training run (fp16 and TF32 are training's).
+        tf32: ``train.tf32``.
+        name: the GPU's name, for ``reason``.
+
+    Raises:
+        ValueError: an unknown precision, or one that is not the kind's (``fp16`` or
+            ``bf16-weights`` for decoding, ``int8`` for training).
+        ConfigError: ``int8`` (a CPU decoding path).
+    """
+    _check_requested(requested, training)
+    if requested == "int8":
+        raise ConfigError("precision int8 is a CPU decoding path; on CUDA use auto, bf16 "
+                          "or fp32")
+    cap = tuple(capability)
+    where = f"{name} (compute capability {cap[0]}.{cap[1]})"
+    has_bf16 = cap >= BF16_MIN_CAPABILITY
+    fast_fp16 = cap >= FP16_MIN_CAPABILITY or cap in FAST_FP16_BEFORE_VOLTA
+    if requested == "auto":
+        if has_bf16:
+            chosen, reason = "bf16", f"{where} has bf16 tensor cores"
+        elif training and fast_fp16:
+            chosen, reason = "fp16", (f"{where} has no bf16 tensor cores (bf16 would be "
+                                      "emulated): fp16 with a dynamic loss scale")
+        else:
+            chosen = "fp32"
+            reason = f"{where} has no bf16 tensor cores" + ("" if fast_fp16 or not training
+                                                            else " and no fast fp16")
+    else:
+        chosen, reason = requested, "as asked"
+        if requested in ("bf16", "bf16-weights") and not has_bf16:
+            reason = (f"as asked, but {where} has no bf16 tensor cores: torch emulates bf16 "
+                      "there, slowly (auto takes fp16 with a loss scale)")
+        elif requested == "fp16" and not fast_fp16:
+            reason = f"as asked, but {where} runs fp16 slower than fp32"
+        elif requested != "fp32":
+            reason = f"as asked on {where}"
+    if chosen == "fp16":
+        reason += "; the loss scaled by torch.amp.GradScaler"
+    use_tf32 = training and tf32 and cap >= TF32_MIN_CAPABILITY
+    if use_tf32:
+        reason += "; float32 matrix products in TF32 (train.tf32)"
+    elif training and cap >= TF32_MIN_CAPABILITY:
+        reason += "; float32 matrix products in full float32 (train.tf32 false)"
+    return Precision(requested, chosen, reason, tf32=use_tf32,
+                     capability=f"{cap[0]}.{cap[1]}")
+
+
+def _check_requested(requested: str, training: bool) -> None:
+    allowed = TRAIN_PRECISIONS if training else DECODE_PRECISIONS
+    if requested not in allowed:
+        raise ValueError(f"precision {requested!r}: expected one of {', '.join(allowed)}")
+
+
 def choose_precision(requested: str, device: torch.device | str, model: ModelConfig, *,
-                     training: bool = True, rows: int = PROBE_ROWS) -> Precision:
+                     training: bool = True, rows: int = PROBE_ROWS,
+                     tf32: bool = True) -> Precision:
     """Resolve ``requested`` (``auto`` or an explicit precision) on ``device``.
 
     ``auto`` gives ``bf16-weights`` for training where bf16 is faster than fp32 by at least
@@ -237,32 +336,28 @@ def choose_precision(requested: str, device: torch.device | str, model: ModelCon
     int8 where the step is :data:`INT8_MIN_SPEEDUP` times as fast, else bf16 where its
     products beat fp32's by :data:`BF16_MIN_SPEEDUP`, else fp32:
     int8 is batch-invariant and bf16 is not, and bf16 products timed alone overrate bf16
-    decoding (docs/hardware.md). On CUDA ``auto`` is
-    ``bf16`` autocast where the device supports bf16. An explicit precision is kept, with a
-    warning in ``reason`` when the probe finds bf16 slower on this CPU.
+    decoding (docs/hardware.md). On CUDA the device's compute capability decides
+    (:func:`gpu_precision`, with ``tf32``: ``train.tf32``). An explicit precision is kept,
+    with a warning in ``reason`` when the probe finds bf16 slower on this CPU.
 
     Raises:
-        ValueError: an unknown precision, ``bf16-weights`` for decoding, or ``int8`` on CUDA
-            (int8 decoding is a CPU path).
+        ValueError: an unknown precision, ``bf16-weights`` or ``fp16`` for decoding, or
+            ``int8`` for training.
+        ConfigError: ``int8`` on CUDA (int8 decoding is a CPU path).
     """
     import torch
 
-    allowed = TRAIN_PRECISIONS if training else DECODE_PRECISIONS
-    if requested not in allowed:
-        raise ValueError(f"precision {requested!r}: expected one of {', '.join(allowed)}")
+    _check_requested(requested, training)
     device = torch.device(device)
     if device.type == "cuda":
-        if requested == "int8":
-            raise ConfigError("precision int8 is a CPU decoding path; on CUDA use auto, bf16 "
-                              "or fp32")
-        if requested != "auto":
-            return Precision(requested, requested, "as asked")
-        if torch.cuda.is_bf16_supported():
-            return Precision(requested, "bf16", f"{torch.cuda.get_device_name(device)} "
-                                                "supports bf16")
-        return Precision(requested, "fp32", f"{torch.cuda.get_device_name(device)} has no bf16")
+        return gpu_precision(requested, torch.cuda.get_device_capability(device),
+                             training=training, tf32=tf32,
+                             name=torch.cuda.get_device_name(device))
     if requested in ("fp32", "int8"):
         return Precision(requested, requested, "as asked")  # no probe: nothing depends on it
+    if requested == "fp16":  # few CPUs have fp16 products (AVX512-FP16, AMX-FP16): no probe
+        return Precision(requested, requested, "as asked, on a CPU: float16 autocast with a "
+                         "loss scale, for checking that path; bf16 or fp32 are the CPU's")
     fp32, bf16 = probe_cpu(model, rows)
     rates = f"bf16 {bf16:.1f} against fp32 {fp32:.1f} GFLOP/s on the model's products"
     faster = bf16 >= BF16_MIN_SPEEDUP * fp32
@@ -296,8 +391,10 @@ def resumed_precision(current: Precision, recorded: str | None, recorded_device:
     whatever a probe measures on a busy machine (a row of Table 3 resumed beside another
     process's start once probed bf16 at a quarter of its rate and switched to fp32 for the
     rest of its budget). It takes ``current`` instead where the machine has changed: another
-    device type, or a CPU where the probe measures bf16 slower than fp32 (emulated bf16, 5-45x
-    slower, :func:`probe_cpu`). An explicit precision is kept as asked."""
+    device type, a CPU where the probe measures bf16 slower than fp32 (emulated bf16, 5-45x
+    slower, :func:`probe_cpu`), or a GPU without bf16 tensor cores (compute capability under
+    8.0) for a run recorded in bf16. An explicit precision is kept as asked. The TF32 setting
+    is always ``current``'s (``train.tf32`` on this GPU)."""
     import torch
 
     if (current.requested != "auto" or recorded is None or recorded == current.chosen
@@ -306,10 +403,18 @@ def resumed_precision(current: Precision, recorded: str | None, recorded_device:
     if recorded in ("bf16", "bf16-weights") and current.bf16_gflops is not None \
             and current.fp32_gflops is not None and current.bf16_gflops < current.fp32_gflops:
         return current
-    return Precision(current.requested, recorded,
-                     f"{recorded} kept from the checkpoint: a resumed run keeps its precision "
-                     f"(this probe chose {current.chosen}: {current.reason})",
-                     current.fp32_gflops, current.bf16_gflops, current.int8_speedup)
+    if recorded in ("bf16", "bf16-weights") and current.capability is not None \
+            and _capability(current.capability) < BF16_MIN_CAPABILITY:
+        return current
+    return dataclasses.replace(
+        current, chosen=recorded,
+        reason=f"{recorded} kept from the checkpoint: a resumed run keeps its precision "
+               f"(this machine's choice was {current.chosen}: {current.reason})")
+
+
+def _capability(text: str) -> tuple[int, int]:
+    major, minor = text.split(".")
+    return int(major), int(minor)
 
 
 def default_decoding_precision(recorded: str | None = None,

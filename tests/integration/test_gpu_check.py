@@ -99,14 +99,17 @@ def test_a_failing_check_is_reported_with_its_log_and_the_others_still_run(
     assert lines[1].startswith('check good: ok  {"echo": "hi"}')
 
 
-def test_auto_precision_on_cuda_follows_the_device_bf16_support(monkeypatch) -> None:
+def test_auto_precision_on_cuda_follows_the_compute_capability(monkeypatch) -> None:
+    """Not torch.cuda.is_bf16_supported(), true on a V100 since torch 2.4 (emulated bf16)."""
     model = load_config("multi30k").model
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     got = choose_precision("auto", "cuda", model)
     assert (got.chosen, got.fp32_gflops) == ("bf16", None) and "Fake GPU" in got.reason
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert choose_precision("auto", "cuda", model).chosen == "fp32"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    assert choose_precision("auto", "cuda", model).chosen == "fp16"
+    assert choose_precision("auto", "cuda", model, training=False).chosen == "fp32"
     assert choose_precision("bf16-weights", "cuda", model).chosen == "bf16-weights"
 
 

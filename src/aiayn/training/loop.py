@@ -61,8 +61,12 @@ class Cadence:
     ``max_steps`` updates or ``time_budget_s`` training seconds (0: none), takes
     ``batches_per_update`` batches an update (``accum_steps``), logs every
     ``log_every_steps``, validates every ``eval_every_steps``, checkpoints every
-    ``checkpoint_every_steps`` and ``checkpoint_every_s`` (0: never), and gives up after
-    ``max_nonfinite`` skipped updates in a row."""
+    ``checkpoint_every_steps`` updates (after the update whose step is a multiple) and every
+    ``checkpoint_every_s`` seconds of wall clock since the last checkpoint (before the next
+    update), each 0 for never; with both, whichever is due writes one and a checkpoint of
+    either kind restarts the clock. It gives up after ``max_nonfinite`` skipped updates in a
+    row (fp16's overflows, which halve its loss scale, are not counted while the scale stays
+    at least :data:`~aiayn.training.update.MIN_LOSS_SCALE`)."""
 
     max_steps: int
     time_budget_s: float
@@ -156,7 +160,9 @@ def fit(learner: Learner, stream: EpochStream, cadence: Cadence, evaluator: Eval
                 s.elapsed_s += clock.tick()
 
                 if fig["skipped"]:  # a non-finite loss or gradient: no update was made
-                    bad_in_a_row += 1
+                    # fp16's loss scale halved after an overflow is the scaler's own search,
+                    # not a diverging run: counted in the total, not in the run of failures
+                    bad_in_a_row += 0 if fig.get("overflow") else 1
                     s.nonfinite_total += 1
                     if bad_in_a_row > cadence.max_nonfinite:
                         _stop_nonfinite(learner, checkpointer, bad_in_a_row)
@@ -198,6 +204,8 @@ def _log(fig: dict[str, float], window: Window, s: TrainState, cadence: Cadence,
     if s.step % cadence.log_every_steps != 0 and s.step != 1:
         return window
     record = window.record(s.step, s.epoch, fig["lr"], s.elapsed_s, s.nonfinite_total)
+    if "loss_scale" in fig:  # fp16: the scale of the logged update
+        record["loss_scale"] = fig["loss_scale"]
     metrics.log(record)
     shown = dict(step=s.step, loss=f"{record['loss']:.3f}", lr=f"{fig['lr']:.2e}",
                  tok_s=f"{record['tokens_per_s']:.0f}")
@@ -319,7 +327,8 @@ class Trainer:
         if resume_from is not None:
             load_weights(model, resume_from, device)
             saved = load_training_state(resume_from)
-        precision = training_precision(tc.precision, device, config.model, dist, saved)
+        precision = training_precision(tc.precision, device, config.model, dist, saved,
+                                       tf32=tc.tf32)
         optimizer = optimizer if optimizer is not None else build_optimizer(model, tc)
         self.learner = Learner(config, model, optimizer, precision, device, dist, vocab.pad_id)
         self.metrics = metrics if metrics is not None else \

@@ -5,6 +5,8 @@
 - ``bf16-weights``: forward and backward on a bf16 copy of the weights (the compute model);
   Adam updates the float32 master weights, whose gradients are the copy's, widened; the copy
   is refreshed from the master after every update.
+- ``fp16``: the model under ``torch.autocast`` in float16; the loss scale that keeps its
+  gradients from underflowing is the update's (:class:`aiayn.training.update.Learner`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ class MixedPrecision:
             self.compute_model = copy.deepcopy(model).to(torch.bfloat16)
 
     def autocast(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """bf16 autocast where the run uses bf16 on float32 weights; bf16 weights need none (it
-        would run LayerNorm in float32 and cast around it)."""
+        """bf16 autocast where the run uses bf16 on float32 weights (bf16 weights need none: it
+        would run LayerNorm in float32 and cast around it), float16 autocast for ``fp16``."""
+        if self.precision.loss_scaling:
+            return torch.autocast(self.device.type, dtype=torch.float16)
         if self.precision.uses_bf16 and next(model.parameters()).dtype == torch.float32:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()

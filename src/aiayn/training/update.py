@@ -1,7 +1,7 @@
 """One update of §5, and the object that makes it: :class:`Learner` holds the model, Adam
-(§5.3), mixed precision, the moving average of the weights and the :class:`TrainState`;
-:meth:`Learner.update` takes a global batch's loss (§5.4), its gradient, clipping, the
-learning rate of eq. 3, and one Adam step. :meth:`Learner.state_dict` and
+(§5.3), mixed precision (with fp16's loss scale), the moving average of the weights and the
+:class:`TrainState`; :meth:`Learner.update` takes a global batch's loss (§5.4), its gradient,
+clipping, the learning rate of eq. 3, and one Adam step. :meth:`Learner.state_dict` and
 :meth:`Learner.load_state_dict` are what a checkpoint keeps besides the weights, so that a
 resumed run continues exactly.
 
@@ -22,6 +22,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from aiayn.config import Config, ModelConfig
 from aiayn.data.batching import Batch
+from aiayn.devices import set_tf32
 from aiayn.errors import UserError
 from aiayn.model import Transformer
 from aiayn.precision import Precision, choose_precision, resumed_precision
@@ -40,6 +41,9 @@ from aiayn.training.state import TrainState
 # (model, batch, grad_scale = 1.0) -> (loss_sum, nll_sum, tokens scored); validation calls it
 # without grad_scale
 BatchLoss = Callable[..., "tuple[torch.Tensor, torch.Tensor, int]"]
+# fp16: an overflow that takes the loss scale below this is no longer the scaler's search but a
+# diverging run, and counts towards train.max_nonfinite (fairseq's --min-loss-scale default)
+MIN_LOSS_SCALE = 1e-4
 
 
 def build_model(config: Config, device: torch.device, seed: int) -> Transformer:
@@ -85,15 +89,17 @@ def build_optimizer(model: nn.Module, tc: Any) -> torch.optim.Optimizer:
 
 
 def training_precision(requested: str, device: torch.device, model: ModelConfig,
-                       dist: DistInfo, saved: dict[str, Any] | None = None) -> Precision:
+                       dist: DistInfo, saved: dict[str, Any] | None = None, *,
+                       tf32: bool = True) -> Precision:
     """The one decision of a run's training precision, made before its :class:`Learner`:
-    ``requested`` (``train.precision``; ``auto`` measured on this machine,
-    :func:`~aiayn.precision.choose_precision`), agreed by every process, and for a resumed
+    ``requested`` (``train.precision``; ``auto`` measured on this machine, or on a GPU read
+    from its compute capability, :func:`~aiayn.precision.choose_precision`; ``tf32``:
+    ``train.tf32``), agreed by every process, and for a resumed
     run (``saved``: the checkpoint's training state, whose ``precision`` and
     ``precision_device`` record what the run used) decided again by
     :func:`~aiayn.precision.resumed_precision`, which keeps the recorded one unless the
     machine changed. A collective under torchrun: every process calls it."""
-    mine = agree_precision(choose_precision(requested, device, model), dist, device)
+    mine = agree_precision(choose_precision(requested, device, model, tf32=tf32), dist, device)
     if saved is None:
         return mine
     # agreed again: resumed_precision reads each process's own probe rates
@@ -134,6 +140,13 @@ class Learner:
     """The model, its optimizer, mixed precision, the moving average and where training
     stands: everything one update changes.
 
+    With ``fp16`` (:attr:`Precision.loss_scaling`) a ``torch.amp.GradScaler`` keeps float16's
+    gradients from underflowing: the loss is scaled before the backward, the gradients are
+    unscaled before the norm and clipping, an update with an overflow is skipped and the scale
+    halved, and the scale grows again after 2,000 updates without one (torch's defaults). On
+    a GPU of compute capability 8.0 or more the precision's TF32 setting is made for the
+    process (:func:`aiayn.devices.set_tf32`).
+
     Args:
         config: the run's config (``train`` settings; ``model.d_model`` for the schedule).
         model: the float32 master model, on ``device`` (weights already loaded on resume).
@@ -154,6 +167,10 @@ class Learner:
         self.device, self.dist = device, dist
         self.state = TrainState()
         self.mixed = MixedPrecision(model, precision, device)
+        # disabled (every call a pass-through to the optimizer) unless fp16
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision.loss_scaling)
+        if device.type == "cuda":
+            set_tf32(precision.tf32)
         self.ddp_model: nn.Module = self.compute_model
         if dist.world_size > 1:
             self.ddp_model = nn.parallel.DistributedDataParallel(
@@ -192,10 +209,16 @@ class Learner:
         update as one process that accumulates the N batches. A non-finite loss or gradient
         norm skips the update (``skipped`` 1.0); else the gradient is clipped to
         ``train.clip_norm``, the learning rate set by the schedule (§5.3), Adam steps, the
-        EMA follows, and the state advances.
+        EMA follows, and the state advances. Under fp16 the gradient is that of the loss
+        times the scaler's scale (folded into the loss's own gradient, which is stored in
+        float16 in the forward: scaling after it would be too late), unscaled before its norm;
+        an overflow halves the scale (``overflow`` 1.0 while the scale stays at least
+        :data:`MIN_LOSS_SCALE`).
 
         Returns:
-            loss and nll per target token, tokens, and (when not skipped) lr and grad_norm.
+            loss and nll per target token, tokens, ``skipped``, and (when not skipped) lr and
+            grad_norm; under fp16 also ``loss_scale`` (the scale this update used) and
+            ``overflow``.
 
         Raises:
             ValueError: a batch has target tokens the model's output vocabulary cannot
@@ -207,6 +230,10 @@ class Learner:
         global_tokens = sum_over_processes([float(sum(b.tgt_tokens for b in batches))], info,
                                            self.device)[0]
         scale = info.world_size / global_tokens  # DDP averages over processes: a global sum
+        scaler = self.scaler
+        # the scaler's scale (its first call makes its state); the loss itself stays unscaled
+        loss_scale = float(scaler.scale(torch.ones((), device=self.device))) \
+            if scaler.is_enabled() else 1.0
         loss_sum = nll_sum = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         mixed.zero_grad()
@@ -215,8 +242,8 @@ class Learner:
             sync = model.no_sync() if (info.world_size > 1 and not last) \
                 else contextlib.nullcontext()
             with sync:
-                value, nll, scored = self.batch_loss(model, batch, scale)
-                value.backward()  # the gradient of scale * loss (folded into the loss)
+                value, nll, scored = self.batch_loss(model, batch, scale * loss_scale)
+                value.backward()  # the gradient of scale * loss_scale * loss (folded in)
             if scored != batch.tgt_tokens:  # a gold token with a -inf output bias
                 raise ValueError(f"{batch.tgt_tokens - scored} target tokens of a training "
                                  "batch are outside the model's output vocabulary "
@@ -226,27 +253,35 @@ class Learner:
         loss_tok, nll_tok = (v / global_tokens for v in
                              sum_over_processes([loss_sum, nll_sum], info, self.device))
         mixed.gradients_to_master()
+        scaler.unscale_(self.optimizer)  # fp16: the gradients divided by loss_scale
         # One fused norm over all gradients (already averaged across processes by DDP, so
         # every process sees the same value) both detects non-finite gradients and clips.
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         total_norm = nn.utils.get_total_norm(grads)
         grad_norm = float(total_norm)
+        scaled = {"loss_scale": loss_scale} if scaler.is_enabled() else {}
         if not (math.isfinite(loss_tok) and math.isfinite(grad_norm)):
-            return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "skipped": 1.0}
+            if scaler.is_enabled():  # fp16: an overflow halves the scale
+                scaler.update()
+                scaled["overflow"] = float(math.isfinite(loss_tok)
+                                           and scaler.get_scale() >= MIN_LOSS_SCALE)
+            return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "skipped": 1.0,
+                    **scaled}
         if self.tc.clip_norm > 0:
             nn.utils.clip_grads_with_norm_(grads, self.tc.clip_norm, total_norm)
         s = self.state
         lr = scheduled_lr(self.tc, self.d_model, s.step + 1, s.elapsed_s)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        scaler.step(self.optimizer)  # optimizer.step() (fp16: told there was no overflow)
+        scaler.update()  # fp16: the scale grows after 2,000 updates without an overflow
         mixed.weights_to_compute()
         if self.ema is not None:
             self.ema.update_parameters(self.model)
         s.step += 1
         s.target_tokens += int(global_tokens)
         return {"loss": loss_tok, "nll": nll_tok, "tokens": global_tokens, "lr": lr,
-                "grad_norm": grad_norm, "skipped": 0.0}
+                "grad_norm": grad_norm, "skipped": 0.0, **scaled}
 
     def budget_spent(self) -> float:
         """The fraction of the budget spent before this update, as the lr schedule measures
@@ -269,10 +304,11 @@ class Learner:
     # --- what a checkpoint keeps besides the weights -----------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume restores besides the weights: the :class:`TrainState`, the
-        optimizer, the EMA, every process's RNG state (a collective: they are gathered) and
-        the precision the run used."""
+        optimizer, the EMA, fp16's loss scale, every process's RNG state (a collective: they
+        are gathered) and the precision the run used."""
         return {**self.state.to_dict(), "optimizer": self.optimizer.state_dict(),
                 **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
+                **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
                 "rng": rng_states(self.dist, self.device),
                 "rank": self.dist.rank, "world_size": self.dist.world_size,
                 "precision": self.precision.chosen, "precision_device": self.device.type}
@@ -309,6 +345,8 @@ class Learner:
                 self.ema.load_state_dict(saved["ema"])
             else:
                 self.ema.n_averaged.zero_()
+        if self.scaler.is_enabled() and "scaler" in saved:  # else the scale starts afresh
+            self.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState.from_dict(saved)
         restore_rng_state(saved, self.dist, self.device)
 
