@@ -39,8 +39,9 @@ TABLE3_ROWS = {
     "table3-D3": {"epsilon_ls": 0.0},
     "table3-D4": {"epsilon_ls": 0.2},
     "table3-E": {"positional": "learned"},
+    # §6.1: big averages the last 20 checkpoints, 10 minutes (600 of its 1.0 s updates) apart
     "big": {"d_model": 1024, "d_ff": 4096, "h": 16, "P_drop": 0.3, "max_steps": 300_000,
-            "keep_last": 20},  # §6.1: big averages the last 20 checkpoints
+            "keep_last": 20, "checkpoint_every_steps": 600},
 }
 
 
@@ -79,6 +80,10 @@ def test_base_preset_is_the_paper_base_model():
         (37000, True, "sinusoidal", "post")  # §3.4, §3.5, §3.1
     assert (d.beam_size, d.alpha, d.max_len_a, d.max_len_b) == (4, 0.6, 1.0, 50)  # §6.1
     assert t.max_steps == 100_000 and t.keep_last == 5
+    # §6.1's checkpoints 10 minutes apart: 1,400 updates at §5.2's 0.43 s an update (100,000 in
+    # 12 hours), in updates so that the averaged span is the paper's on any machine
+    assert (t.checkpoint_every_steps, t.checkpoint_every_s) == (1400, 0)
+    assert (t.precision, t.tf32) == ("auto", True)
     # §5.1's ~25000 tokens a side is one update's, however many processes share it
     assert (cfg.data.global_max_tokens, cfg.data.max_tokens) == (25000, 0)
     assert batch_tokens_per_process(cfg.data, 1, 1) == 25000
@@ -150,7 +155,7 @@ def test_rows_A_keep_computation_constant():
     (TrainConfig, "epsilon_ls", 1.0),
     (TrainConfig, "adam_beta2", 1.2),
     (TrainConfig, "clip_norm", -1.0),
-    (TrainConfig, "precision", "fp16"),
+    (TrainConfig, "precision", "fp8"),
     (DecodeConfig, "beam_size", 0),
     (DecodeConfig, "alpha", -0.6),
 ])
@@ -276,9 +281,16 @@ def test_a_run_written_before_train_precision_loads_with_the_precision_it_meant(
         load_config(str(path))
 
 
+def test_fp16_and_full_float32_products_can_be_asked_for():
+    cfg = load_config("base", ["train.precision=fp16", "train.tf32=false"])
+    assert (cfg.train.precision, cfg.train.tf32) == ("fp16", False)
+    with pytest.raises(ValueError, match="tf32"):
+        load_config("base", ["train.tf32=maybe"])
+
+
 def test_the_old_bf16_override_names_its_successor():
     with pytest.raises(ValueError, match=r"train.bf16_weights is now train.precision \(one of "
-                                         r"auto, fp32, bf16, bf16-weights\)"):
+                                         r"auto, fp32, bf16, bf16-weights, fp16\)"):
         load_config("multi30k", ["train.bf16_weights=true"])
     assert load_config("multi30k", ["train.precision=fp32"]).train.precision == "fp32"
     assert load_config("multi30k").train.precision == "auto"
