@@ -1,5 +1,11 @@
-"""Checkpoint averaging, §6.1: "a single model obtained by averaging the last 5 checkpoints"
-(base) or the last 20 (big)."""
+"""Checkpoint averaging, §6.1: "a single model obtained by averaging the last 5 checkpoints,
+which were written at 10-minute intervals" (base) or the last 20 (big).
+
+Which checkpoints: the last K (:func:`select_checkpoints` with ``last``), or those of a span
+of updates (``updates`` or ``last_updates``): the paper's 10 minutes were about 1,400 base
+updates (600 big), so its average spanned about 5,600 updates (11,400 big) whatever the
+machine; a faster GPU that writes one every 10 minutes averages over a far longer span.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,96 @@ from aiayn.errors import UserError
 from aiayn.rundir import CHECKPOINTS, META, WEIGHTS, step_number
 
 
+def parse_update_range(text: str) -> tuple[int | None, int | None]:
+    """``"94000:100000"`` (both ends included), ``"94000:"`` or ``":100000"`` as (first, last),
+    None for an open end.
+
+    Raises:
+        UserError: not of that form, a negative number, or first > last, naming ``text``.
+    """
+    first, sep, last = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        ends = tuple(int(x) if x.strip() else None for x in (first, last))
+    except ValueError:
+        raise UserError(f"--updates {text!r}: expected FIRST:LAST in updates, such as "
+                        "94000:100000 (either end may be left out)") from None
+    if any(x is not None and x < 0 for x in ends) or \
+            (None not in ends and ends[0] > ends[1]):
+        raise UserError(f"--updates {text!r}: expected 0 <= FIRST <= LAST")
+    return ends
+
+
+def select_checkpoints(steps: list[Path], *, last: int | None = None,
+                       updates: tuple[int | None, int | None] | None = None,
+                       last_updates: int | None = None) -> list[Path]:
+    """The step checkpoints to average, oldest first, by one rule:
+
+    - ``last``: the newest K;
+    - ``updates``: those whose update (N of ``step-N``) is within (first, last), both ends
+      included, None for an open end (:func:`parse_update_range`);
+    - ``last_updates``: those of the last U updates, N >= newest N - U (base: 5,600 gives the
+      five checkpoints of §6.1 at ``train.checkpoint_every_steps`` = 1,400).
+
+    Args:
+        steps: a run's step checkpoints, oldest first (:meth:`aiayn.rundir.RunDir.steps`).
+
+    Raises:
+        UserError: not exactly one rule, a count under 1 (``last``) or 0 (``last_updates``),
+            or no checkpoint within the span (naming it and the updates there are).
+    """
+    given = [x is not None for x in (last, updates, last_updates)]
+    if sum(given) != 1:
+        raise UserError("give one of --last, --updates and --last-updates")
+    if not steps:
+        raise UserError("no checkpoints to average")
+    if last is not None:
+        if last < 1:
+            raise UserError(f"--last must be at least 1, got {last}")
+        return steps[-last:]
+    numbers = [step_number(p) for p in steps]
+    if last_updates is not None:
+        if last_updates < 0:
+            raise UserError(f"--last-updates must be at least 0, got {last_updates}")
+        first, end, what = numbers[-1] - last_updates, numbers[-1], \
+            f"--last-updates {last_updates}"
+    else:
+        assert updates is not None
+        first, end = updates
+        what = f"--updates {'' if first is None else first}:{'' if end is None else end}"
+    chosen = [p for p, n in zip(steps, numbers)
+              if (first is None or n >= first) and (end is None or n <= end)]
+    if not chosen:
+        raise UserError(f"{what}: no checkpoint in that span; this run has updates "
+                        f"{', '.join(str(n) for n in numbers)}")
+    return chosen
+
+
+def update_span(paths: list[Path]) -> dict[str, int]:
+    """``first_update``, ``last_update`` and ``span_updates`` (last - first) of step
+    checkpoints, from their names (``step-N``) or, for other names, their ``meta.json``'s
+    ``step``; {} when a checkpoint has neither."""
+    numbers = []
+    for p in paths:
+        n = step_number(p)
+        if n is None:
+            n = read_meta(p).get("step")
+        if not isinstance(n, int):
+            return {}
+        numbers.append(n)
+    if not numbers:
+        return {}
+    return {"first_update": min(numbers), "last_update": max(numbers),
+            "span_updates": max(numbers) - min(numbers)}
+
+
 def average_checkpoints(paths: list[Path], output: str | Path) -> Path:
     """Write the element-wise mean (accumulated in float64) of the weights in ``paths``.
 
-    The config and vocabulary come from the newest checkpoint; all must share them.
+    The config and vocabulary come from the newest checkpoint; all must share them. The
+    average's ``meta.json`` records ``averaged_from`` and the updates it spans
+    (:func:`update_span`: ``first_update``, ``last_update``, ``span_updates``).
 
     ``output`` must be a new path or an earlier average (a checkpoint whose ``meta.json`` has
     ``averaged_from``): nothing else is ever replaced.
@@ -60,7 +152,7 @@ def average_checkpoints(paths: list[Path], output: str | Path) -> Path:
     if config.model.share_embeddings:  # the tied matrix may be stored under either name
         src = averaged.get("src_embed.weight", averaged.get("tgt_embed.weight"))
         model.src_embed.weight.data.copy_(src)
-    meta = {"averaged_from": [str(p) for p in paths]}
+    meta = {"averaged_from": [str(p) for p in paths], **update_span(paths)}
     return save_checkpoint(output, model, config, vocab, meta)
 
 
