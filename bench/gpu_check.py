@@ -1,4 +1,7 @@
-"""The GPU check: aiayn's CUDA paths end to end, one line per check, in under 8 minutes on one GPU.
+"""The GPU check: aiayn's CUDA paths end to end, one line per check.
+
+The first eight checks take under 8 minutes on one GPU; ``fp16`` and ``throughput`` (added
+after, not yet run on a GPU) train three more runs, the last of 2,000 ``base`` updates.
 
 Run it where a GPU is (see ``bench/gpu_check.sh``, which calls this file):
 
@@ -24,6 +27,17 @@ Checks, in order:
 - ``bench_train``: ``bench/bench_train.py``: aiayn against ``torch.nn.Transformer``, MFU.
 - ``bench_decode``: ``bench/bench_decode_peers.py``: beam-4 sentences/s against CTranslate2.
 - ``main_job``: ``scripts/main_job.sh`` with a 5-minute budget: Multi30k test BLEU.
+- ``fp16``: what ``train.precision=auto`` picks on this device (by its compute capability:
+  bf16 from 8.0, fp16 with a loss scale below, TF32 for fp32 products from 8.0), then
+  ``aiayn train`` of ``multi30k`` in fp16 with ``torch.amp.GradScaler`` and in fp32 for the
+  same 200 updates: fp16's final loss within 10% of fp32's, its loss scale and skipped
+  updates, both rates.
+- ``throughput``: the real shape end to end: a WMT-shaped corpus (``make_synthetic_wmt.py``,
+  200,000 pairs) with a 37,000-token BPE, ``aiayn prepare``d, then ``aiayn train --preset
+  base`` (25,000 tokens an update, ``train.precision`` auto) for 2,000 updates from the
+  prepared folder, under ``torchrun`` with NCCL over every GPU when there are two or more:
+  target tokens/s and ms an update. Without newstest2013 in ``$AIAYN_DATA_DIR`` (the
+  corpus's lengths) it is "not exercised".
 
 Each prints ``check NAME: ok  FIGURES``, ``check NAME: not exercised (WHY)`` (what this machine
 cannot show, never counted as passed) or ``check NAME: FAILED (...)``, with every command's
@@ -46,7 +60,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKS = ("train", "collective", "torchrun", "ddp_gloo", "wmt_step", "bench_train",
-          "bench_decode", "main_job")
+          "bench_decode", "main_job", "fp16", "throughput")
+THROUGHPUT_UPDATES = 2000  # the throughput check's updates on a GPU (--throughput-updates)
 
 
 class NotExercised(Exception):
@@ -63,6 +78,7 @@ class Plan:
     out: Path
     nproc: int  # processes under torchrun
     env: dict[str, str] = field(default_factory=dict)
+    throughput_updates: int = THROUGHPUT_UPDATES
 
     @property
     def backend(self) -> str:
@@ -238,10 +254,97 @@ def check_main_job(plan: Plan, run: Runner) -> dict[str, Any]:
             "precision": got["precision"]["chosen"], "decode_wall_s": got["decode_wall_s"]}
 
 
+def final_train_record(run_dir: Path) -> dict[str, Any]:
+    """The last ``train`` record of a run's ``metrics.jsonl``.
+
+    Raises:
+        ValueError: there is none.
+    """
+    records = [json.loads(line) for line in
+               (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+               if line.strip()]
+    train = [r for r in records if r.get("kind") == "train"]
+    if not train:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no train record")
+    return train[-1]
+
+
+def check_fp16(plan: Plan, run: Runner) -> dict[str, Any]:
+    steps = 10 if plan.quick else 200
+    preset = "tiny" if plan.quick else "multi30k"
+    auto = last_json(run([plan.python, "-c", (
+        "import json; from aiayn.config import load_config; "
+        "from aiayn.precision import choose_precision; "
+        f"print(json.dumps(choose_precision('auto', '{plan.train_device}', "
+        f"load_config('{preset}').model).to_dict()))")], 120))
+    got: dict[str, Any] = {"auto": auto["chosen"], "capability": auto.get("capability"),
+                           "auto_tf32": auto.get("tf32")}
+    for precision in ("fp16", "fp32"):
+        run_dir = plan.out / f"fp16-{precision}-run"
+        args = plan.train_args(run_dir, steps)
+        args[args.index(f"train.precision={plan.precision}")] = f"train.precision={precision}"
+        summary = last_json(run(plan.aiayn(*args, "--set", "train.log_every_steps=10"), 300))
+        if summary["steps"] != steps or summary["precision"]["chosen"] != precision:
+            raise RuntimeError(f"the {precision} run ended at step {summary['steps']} in "
+                               f"{summary['precision']['chosen']}")
+        record = final_train_record(run_dir)
+        got[f"{precision}_loss"] = round(record["loss"], 4)
+        got[f"{precision}_tokens_per_s"] = round(tokens_per_s(summary))
+        if precision == "fp16":
+            if not summary["precision"].get("loss_scaling"):
+                raise RuntimeError("the fp16 run did not scale its loss")
+            got["loss_scale"] = record.get("loss_scale")
+            got["fp16_skipped"] = summary["nonfinite_total"]
+        else:
+            got["fp32_tf32"] = summary["precision"].get("tf32")
+    if not got["fp16_loss"] <= 1.1 * got["fp32_loss"]:  # NaN fails too
+        raise RuntimeError(f"fp16's loss {got['fp16_loss']} after {steps} updates is not "
+                           f"within 10% of fp32's {got['fp32_loss']}")
+    return got
+
+
+def check_throughput(plan: Plan, run: Runner) -> dict[str, Any]:
+    data_dir = os.environ.get("AIAYN_DATA_DIR", "")
+    if not (Path(data_dir) / "wmt14-en-de" / "newstest2013.en").is_file():
+        raise NotExercised("no $AIAYN_DATA_DIR/wmt14-en-de/newstest2013.en: the synthetic "
+                           "corpus takes its sentence lengths from it")
+    pairs, vocab_size, updates = (3000, 500, 20) if plan.quick else \
+        (200_000, 37_000, plan.throughput_updates)
+    work = plan.out / "throughput"
+    raw, vocab, prepared = work / "raw", work / "vocab", work / "prepared"
+    run([plan.python, str(ROOT / "bench" / "make_synthetic_wmt.py"), "--pairs", str(pairs),
+         "-o", str(raw)], 300)
+    src, tgt = str(raw / "train.en"), str(raw / "train.de")
+    run(plan.aiayn("vocab", "--src", src, "--tgt", tgt, "--size", str(vocab_size),
+                   "--sample-lines", str(min(2 * pairs, 200_000)), "-o", str(vocab)), 600)
+    run(plan.aiayn("prepare", "--src", src, "--tgt", tgt, "--vocab", str(vocab),
+                   "-o", str(prepared)), 600)
+    preset = ["--preset", "tiny", "--set", "data.global_max_tokens=2048",
+              "--set", "data.max_tokens=0"] if plan.quick else ["--preset", "base"]
+    args = ["train", *preset, "--vocab", str(vocab), "--run-dir", str(work / "run"),
+            "--device", plan.device, "--no-progress", "--json",
+            "--set", "data.dataset=files", "--set", f"data.prepared={prepared}",
+            "--set", f"train.max_steps={updates}", "--set", "train.time_budget_s=0",
+            "--set", "train.checkpoint_every_steps=0", "--set", "train.checkpoint_every_s=0",
+            "--set", f"train.eval_every_steps={updates}", "--set", "train.eval_bleu_sentences=0",
+            "--set", "train.log_every_steps=100"]
+    processes = plan.nproc if plan.device == "cuda" else 1
+    cmd = plan.torchrun("-m", "aiayn", *args) if processes > 1 else plan.aiayn(*args)
+    summary = last_json(run(cmd, 600))
+    if summary["steps"] != updates:
+        raise RuntimeError(f"the run ended at update {summary['steps']}, not {updates}")
+    return {"pairs": pairs, "vocab": vocab_size, "updates": updates, "processes": processes,
+            "backend": plan.backend if processes > 1 else None,
+            "precision": summary["precision"]["chosen"],
+            "tokens_per_s": round(tokens_per_s(summary)),
+            "ms_per_update": round(1000 * summary["elapsed_s"] / max(summary["steps"], 1), 1)}
+
+
 CHECK_FUNCTIONS = {"train": check_train, "collective": check_collective,
                    "torchrun": check_torchrun, "ddp_gloo": check_ddp_gloo,
                    "wmt_step": check_wmt_step, "bench_train": check_bench_train,
-                   "bench_decode": check_bench_decode, "main_job": check_main_job}
+                   "bench_decode": check_bench_decode, "main_job": check_main_job,
+                   "fp16": check_fp16, "throughput": check_throughput}
 
 
 def collective_worker(device: str) -> int:
@@ -326,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=sys.executable,
                    help="the Python that has aiayn's dependencies and torch (default: this one)")
     p.add_argument("--json", action="store_true", help="also print one JSON object at the end")
+    p.add_argument("--throughput-updates", type=int, default=THROUGHPUT_UPDATES, metavar="N",
+                   help="updates of the throughput check on a GPU (default %(default)s)")
     p.add_argument("--collective", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.collective:
@@ -338,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"gpu_check: {err}", file=sys.stderr)
         return 2
+    plan.throughput_updates = args.throughput_updates
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else \
         f"cpu ({torch.backends.cpu.get_cpu_capability()})"
     print(f"gpu_check: {where}, torch {torch.__version__}, {plan.nproc} torchrun process(es), "

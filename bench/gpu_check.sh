@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check (bench/gpu_check.py): CUDA training in bf16 with resume, torchrun with NCCL,
-# bench_train.py and bench_decode_peers.py on CUDA, a 5-minute main job; one line per check,
-# under 8 minutes on one GPU. Arguments go to gpu_check.py (--device cpu --quick: the same
-# checks, small, on a CPU; --only CHECK...; --json).
+# bench_train.py and bench_decode_peers.py on CUDA, a 5-minute main job (those eight under
+# 8 minutes on one GPU); then fp16 with its loss scale against fp32 and what auto picks by
+# the compute capability, and base's throughput over 2,000 updates from a prepared WMT-shaped
+# corpus (NCCL over every GPU when there are two or more). Those two have not yet run on a
+# GPU: give them a command of their own first (--only fp16 throughput; --throughput-updates N
+# shortens the second). One line per check; a check that fails says so and the others still
+# run. Arguments go to gpu_check.py (--device cpu --quick: the same checks, small, on a CPU;
+# --only CHECK...; --json).
 # Python: $PYTHON, else .venv/bin/python, else python3. It is used as it is (no setup: a GPU
 # machine needs its own CUDA build of torch), and scripts/main_job.sh is told so (AIAYN_PYTHON).
 set -euo pipefail

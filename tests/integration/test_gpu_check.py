@@ -113,6 +113,37 @@ def test_auto_precision_on_cuda_follows_the_compute_capability(monkeypatch) -> N
     assert choose_precision("bf16-weights", "cuda", model).chosen == "bf16-weights"
 
 
+def test_the_throughput_check_trains_base_from_a_prepared_corpus_over_every_gpu(
+        tmp_path: Path, monkeypatch) -> None:
+    """2,000 updates of base from a prepared WMT-shaped corpus, under torchrun with NCCL on
+    two GPUs; without newstest2013 (the corpus's lengths) it is said, not passed."""
+    gc = _gpu_check()
+    plan = gc.make_plan("cuda", False, "py", tmp_path, gpus=2)
+    monkeypatch.setenv("AIAYN_DATA_DIR", str(tmp_path / "nothing"))
+    with pytest.raises(gc.NotExercised, match="newstest2013"):
+        gc.check_throughput(plan, lambda cmd, timeout_s: "")
+    (tmp_path / "data" / "wmt14-en-de").mkdir(parents=True)
+    (tmp_path / "data" / "wmt14-en-de" / "newstest2013.en").write_text("a b\n")
+    monkeypatch.setenv("AIAYN_DATA_DIR", str(tmp_path / "data"))
+    ran: list[list[str]] = []
+
+    def run(cmd: list[str], timeout_s: float) -> str:
+        ran.append(cmd)
+        return json.dumps({"steps": 2000, "target_tokens": 2000 * 25000, "elapsed_s": 200.0,
+                           "precision": {"chosen": "bf16"}}) if "train" in cmd else ""
+
+    got = gc.check_throughput(plan, run)
+    assert (got["updates"], got["processes"], got["backend"]) == (2000, 2, "nccl")
+    assert (got["tokens_per_s"], got["ms_per_update"]) == (250000, 100.0)
+    assert [c[c.index("-m") + 1] if "-m" in c else Path(c[1]).name for c in ran] == \
+        ["make_synthetic_wmt.py", "aiayn", "aiayn", "torch.distributed.run"]
+    assert ran[1][3:5] == ["vocab", "--src"] and "37000" in ran[1]
+    train = ran[-1]
+    assert "--nproc_per_node=2" in train and train[train.index("--preset") + 1] == "base"
+    assert "train.max_steps=2000" in train
+    assert f"data.prepared={tmp_path / 'throughput' / 'prepared'}" in train
+
+
 @pytest.mark.slow
 def test_every_check_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
@@ -123,7 +154,7 @@ def test_every_check_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     checks = json.loads(lines[-1])["checks"]
     assert list(checks) == ["train", "collective", "torchrun", "ddp_gloo", "wmt_step",
-                            "bench_train", "bench_decode", "main_job"]
+                            "bench_train", "bench_decode", "main_job", "fp16", "throughput"]
     assert all(c["ok"] for c in checks.values())
     assert [line.split(":")[0] for line in lines if line.startswith("check ")] == \
         [f"check {name}" for name in checks]
@@ -132,3 +163,5 @@ def test_every_check_runs_end_to_end_on_a_cpu(tmp_path: Path) -> None:
     assert checks["ddp_gloo"]["steps"] == 4 and checks["ddp_gloo"]["backend"] == "gloo"
     assert checks["wmt_step"]["600"]["aiayn_ms"] > 0
     assert checks["main_job"]["train_steps"] > 0
+    assert checks["fp16"]["loss_scale"] > 0 and checks["fp16"]["capability"] is None
+    assert checks["throughput"]["updates"] == 20
