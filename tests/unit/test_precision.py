@@ -300,3 +300,26 @@ def test_an_fp16_overflow_skips_the_update_and_halves_the_scale(tmp_path):
         learner.model.tgt_embed.weight[0, 0] = float("inf")
     fig = learner.update(trainer.next_batches())
     assert fig["skipped"] == 1.0 and fig["overflow"] == 0.0
+
+
+def test_a_resumed_fp16_run_continues_with_its_loss_scale(tmp_path):
+    """2 updates, a checkpoint, 2 more on resume: the uninterrupted run's losses and weights,
+    the scaler's state (scale and growth tracker) carried by the checkpoint."""
+    cfg, vocab, train = _copy_task(tmp_path / "data", max_steps=4)
+    whole = Trainer(cfg, tmp_path / "whole", vocab, train, progress=False)
+    whole.learner.scaler.load_state_dict({**whole.learner.scaler.state_dict(),
+                                          "scale": 2.0**10, "growth_interval": 3})
+    whole.fit()
+    first = Trainer(cfg.replace(train=replace(cfg.train, max_steps=2)), tmp_path / "cut", vocab,
+                    train, progress=False)
+    first.learner.scaler.load_state_dict({**first.learner.scaler.state_dict(),
+                                          "scale": 2.0**10, "growth_interval": 3})
+    first.fit()
+    resumed = Trainer(cfg, tmp_path / "cut", vocab, train, progress=False,
+                      resume_from=tmp_path / "cut" / "checkpoints" / "step-00000002")
+    assert resumed.learner.scaler.state_dict() == first.learner.scaler.state_dict()
+    resumed.fit()
+    assert whole.learner.scaler.get_scale() == 2.0**11  # grew once, at update 3
+    assert resumed.learner.scaler.state_dict() == whole.learner.scaler.state_dict()
+    for name, p in whole.model.state_dict().items():
+        torch.testing.assert_close(resumed.model.state_dict()[name], p, rtol=0, atol=0)
