@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export AIAYN_DATA_DIR="${AIAYN_DATA_DIR:-$(cd .. && pwd)/shared/data}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tiny test models: one thread is fastest
-.venv/bin/python -m pytest -q tests "$@"
+# one pytest worker a core (pytest-xdist), each test file kept in one worker so its module
+# fixtures are built once; AIAYN_TEST_WORKERS=0 runs in one process
+.venv/bin/python -m pytest -q -n "${AIAYN_TEST_WORKERS:-logical}" --dist loadfile tests "$@"
