@@ -21,7 +21,8 @@ of spaces and tabs made one space, both ends trimmed). Test files already there 
 expected line counts are kept.
 
 Members are streamed out of the archives in one pass each, never unpacked by name: each is first
-checked by :func:`tarfile.data_filter` (no absolute path, no ``..``, no link, a regular file).
+checked by :func:`tarfile.data_filter` (a path that stays inside the folder, not a link) and
+must be a regular file.
 """
 
 from __future__ import annotations
@@ -287,8 +288,8 @@ def stream_members(path: Path, wanted: set[str],
 
     Raises:
         DataError: a wanted member is missing, is not a regular file, or its path would land
-            outside the folder it is unpacked into (:func:`tarfile.data_filter`: absolute,
-            ``..``, a link); the archive is unreadable.
+            outside the folder it is unpacked into (:func:`tarfile.data_filter`: ``..``, a
+            link); the archive is unreadable.
     """
     seen: set[str] = set()
     unreadable = (tarfile.TarError, EOFError, OSError, zlib.error)
