@@ -125,6 +125,32 @@ def test_fetch_joins_in_order_writes_the_test_sets_and_a_rerun_does_nothing(arch
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == stamp
 
 
+def test_a_changed_output_is_made_again_from_the_kept_archives(archives, tmp_path, capsys):
+    www, manifest_path, _ = archives
+    out = tmp_path / "wmt14"
+    assert _fetch(capsys, out, www.as_uri(), manifest_path)[0] == 0
+    joined = (out / "train.de").read_bytes()
+    with open(out / "train.de", "ab") as f:
+        f.write(b"one line more\n")
+    code, stdout, _ = _fetch(capsys, out, www.as_uri(), manifest_path, "--json")
+    assert code == 0
+    result = json.loads(stdout)
+    assert result["fetched"] and {a["how"] for a in result["archives"]} == {"kept"}
+    assert (out / "train.de").read_bytes() == joined
+
+
+def test_a_download_larger_than_its_archive_is_refused(archives, tmp_path, capsys):
+    www, manifest_path, manifest = archives
+    name = "dev.tgz"
+    (www / name).write_bytes((www / name).read_bytes() + b"\0" * (3 << 20))
+    out = tmp_path / "wmt14"
+    with Server(www) as server:
+        code, _, err = _fetch(capsys, out, server.url, manifest_path)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "more than the" in err
+    assert not (out / "downloads" / name).exists()
+    assert not (out / "downloads" / f"{name}.part").exists()
+
+
 def test_a_corrupted_download_is_refused_with_one_line(archives, tmp_path, capsys):
     www, manifest_path, manifest = archives
     bad = www / "training-parallel-commoncrawl.tgz"

@@ -219,8 +219,9 @@ def download(archive: Archive, folder: str | Path, *, mirror: str | None = None,
 
     Raises:
         DataError: the address cannot be read (what was kept to resume from is named), the
-            transfer stopped short, or the bytes have another sha256 (the download is then
-            removed: one line naming the address, both sums and the way on).
+            transfer stopped short, or the bytes are more than the archive's or have another
+            sha256 (the download is then removed: one line naming the address, both sums and
+            the way on).
     """
     folder = Path(folder)
     target = folder / archive.name
@@ -250,10 +251,14 @@ def download(archive: Archive, folder: str | Path, *, mirror: str | None = None,
                     offset = 0
                 with open(part, "ab" if offset else "wb") as out, \
                         _progress(archive.bytes, offset, archive.name, progress) as bar:
+                    written = offset
                     for chunk in iter(lambda: response.read(CHUNK), b""):
                         out.write(chunk)
                         digest.update(chunk)
                         bar.update(len(chunk))
+                        written += len(chunk)
+                        if written > archive.bytes:
+                            break  # not this archive: refused below, without reading the rest
         except (urllib.error.URLError, OSError) as err:
             kept = part.stat().st_size if part.is_file() else 0
             raise DataError(
@@ -267,11 +272,14 @@ def download(archive: Archive, folder: str | Path, *, mirror: str | None = None,
     if size < archive.bytes:
         raise DataError(f"{url}: the transfer stopped at {size:,} of {archive.bytes:,} bytes "
                         f"(kept in {part}); run again to resume")
-    if size != archive.bytes or digest.hexdigest() != archive.sha256:
+    if size > archive.bytes:
         part.unlink()
-        raise DataError(f"{url}: {size:,} bytes with sha256 {digest.hexdigest()}, expected "
-                        f"{archive.bytes:,} bytes with sha256 {archive.sha256}; removed, not "
-                        "used (run again to download it anew, or check --mirror)")
+        raise DataError(f"{url}: more than the {archive.bytes:,} bytes expected; removed, not "
+                        "used (is it another file? check --mirror)")
+    if digest.hexdigest() != archive.sha256:
+        part.unlink()
+        raise DataError(f"{url}: sha256 {digest.hexdigest()}, expected {archive.sha256}; "
+                        "removed, not used (run again to download it anew, or check --mirror)")
     os.replace(part, target)
     return target, how
 
