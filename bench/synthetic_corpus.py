@@ -115,6 +115,66 @@ def write_corpus(out: str | Path, pairs: int, *, stem: str = "train", seed: int 
     return src, tgt
 
 
+def write_wmt14_archives(out: str | Path, pairs: tuple[int, ...] = (600, 300, 100),
+                         test_pairs: tuple[int, int] = (40, 40), *, seed: int = 1,
+                         types: int = 5000, data_dir: str | None = "") -> dict:
+    """Small archives shaped as WMT14's, for ``aiayn fetch wmt14 --mirror`` in tests: each
+    training archive of :data:`aiayn.data.fetch.WMT14` holds ``pairs[i]`` synthetic pairs at
+    the member paths of the real one (plus a member fetch must skip), and ``dev.tgz`` holds the
+    two test sets (newstest2013 as text, newstest2014 as SGML, with stray spaces to tidy).
+
+    Returns:
+        the manifest (a dict shaped as ``WMT14``) with these archives' sizes, sha256 sums and
+        line counts; the archives are ``OUT/NAME``.
+    """
+    import copy
+    import hashlib
+    import io
+    import tarfile
+
+    from aiayn.data.fetch import WMT14
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = copy.deepcopy(WMT14)
+    manifest["source"] = "synthetic archives (bench/synthetic_corpus.py)"
+    members: dict[str, list[tuple[str, bytes]]] = {a["name"]: [] for a in manifest["archives"]}
+
+    def text(rows: list[str]) -> bytes:
+        return "".join(r + "\n" for r in rows).encode("utf-8")
+
+    for i, (corpus, n) in enumerate(zip(manifest["train"], pairs)):
+        rows = list(generate(n, types=types, seed=seed + i,
+                             lengths=newstest_lengths(data_dir)))
+        members[corpus["archive"]] += [(corpus["files"]["en"], text([r[0] for r in rows])),
+                                       (corpus["files"]["de"], text([r[1] for r in rows])),
+                                       (corpus["files"]["en"] + ".other", b"skipped\n")]
+        corpus["lines"] = n
+    for j, (corpus, n) in enumerate(zip(manifest["test"], test_pairs)):
+        rows = list(generate(n, types=types, seed=seed + 10 + j))
+        for lang, side in (("en", 0), ("de", 1)):
+            name = corpus["files"][lang]
+            if name.endswith(".sgm"):
+                body = ['<srcset setid="x" srclang="any">', '<doc docid="d" origlang="en">']
+                body += [f'<seg id="{k + 1}">  {r[side]}\t </seg>' for k, r in enumerate(rows)]
+                body += ["</doc>", "</srcset>"]
+            else:
+                body = [f"{r[side]} " for r in rows]
+            members[corpus["archive"]].append((name, text(body)))
+        corpus["lines"] = n
+    for archive in manifest["archives"]:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+            for name, data in members[archive["name"]]:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        data = buf.getvalue()
+        (out / archive["name"]).write_bytes(data)
+        archive["bytes"], archive["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    return manifest
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--pairs", type=int, required=True)

@@ -1,22 +1,30 @@
-"""docs/wmt14.md's recipe, command for command, on a 1,000-pair synthetic slice: clean, vocab,
-prepare, torchrun train with the base preset's global batch, average, translate, evaluate.
+"""docs/wmt14.md's recipe as a reader runs it: every ``bash`` block of the page, in order, in
+one shell, on a slice: ``aiayn fetch wmt14`` from small archives shaped as WMT14's (served from
+127.0.0.1), then clean, vocab, prepare, torchrun train with the base preset's global batch,
+average, evaluate with a hypothesis file, rescoring, the dev set, and the one-GPU pipeline.
 
-Only the model is shrunk (a tiny override of ``--preset base``) and the steps are few; every
-command and option is the document's. The test also checks that the document still holds
-these commands, so the two cannot drift apart.
+Only sizes change, by the substitutions in :data:`SHRINK` (a tiny model, a few steps, two
+processes for eight, a small vocabulary, the local archives); each must match the page exactly
+as often as stated, so a page that changes under the test fails it instead of being skipped.
+The fetch table of the page is checked against :data:`aiayn.data.fetch.WMT14`.
 """
 
 from __future__ import annotations
 
+import http.server
 import importlib.util
 import json
-import math
 import os
+import re
 import subprocess
 import sys
+import threading
+from functools import partial
 from pathlib import Path
 
 import pytest
+
+from aiayn.data.fetch import WMT14
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "wmt14.md"
@@ -26,6 +34,20 @@ TINY = ["model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", "model.d_
         "model.d_v=16", "train.max_steps=4", "train.warmup_steps=2",
         "train.checkpoint_every_steps=2", "train.checkpoint_every_s=0", "train.precision=fp32",
         "train.eval_every_steps=4", "train.eval_bleu_sentences=0", "train.log_every_steps=1"]
+PAIRS = (600, 300, 100)  # Europarl, Common Crawl, News Commentary: 1,000 pairs in all
+TEST_PAIRS = 40
+
+
+def shrink(mirror: str, manifest: Path, port: int) -> list[tuple[str, str, int]]:
+    """(text of the page, what the test runs instead, how many times the page has it)."""
+    tiny = " ".join(f"--set {item}" for item in TINY)
+    return [
+        ("aiayn fetch wmt14 -o wmt14",
+         f"aiayn fetch wmt14 -o wmt14 --mirror {mirror} --manifest {manifest} --no-progress", 1),
+        ("--size 37000", "--size 1000", 1),
+        ("torchrun --nproc-per-node 8", f"torchrun --nproc-per-node 2 --master-port {port}", 1),
+        ("--preset base", f"--preset base --device cpu --no-progress {tiny}", 2),
+    ]
 
 
 def _synthetic():
@@ -36,81 +58,110 @@ def _synthetic():
     return module
 
 
-def _run(*argv: str, timeout: int = 300) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("AIAYN_DEBUG", None)
-    res = subprocess.run(list(argv), env=env, capture_output=True, text=True, timeout=timeout)
-    assert res.returncode == 0, res.stdout + res.stderr
-    return res.stdout
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block of a Markdown page, in order."""
+    return [(m[1], m[2]) for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.M | re.S)]
 
 
-def test_the_document_names_the_commands_this_test_runs():
-    text = DOC.read_text(encoding="utf-8")
-    for command in ("python -m aiayn.data.clean", "aiayn vocab", "aiayn prepare",
-                    "torchrun --nproc-per-node", "--preset base", "data.global_max_tokens=25000",
-                    "aiayn average", "aiayn evaluate", "newstest2014"):
-        assert command in text, command
+def test_every_block_of_the_page_says_what_it_is():
+    """A block without a language could hold a command the recipe test never runs."""
+    blocks = fenced_blocks(DOC.read_text(encoding="utf-8"))
+    assert blocks and all(lang in ("bash", "text") for lang, _ in blocks), \
+        [(lang, body[:40]) for lang, body in blocks]
+    commands = "".join(body for lang, body in blocks if lang == "bash")
+    for command in ("aiayn fetch wmt14", "python -m aiayn.data.clean", "aiayn vocab",
+                    "aiayn prepare", "torchrun --nproc-per-node", "aiayn average",
+                    "aiayn evaluate", "--output", "aiayn pipeline", "newstest2014"):
+        assert command in commands, command
+
+
+def test_the_fetch_table_is_the_built_in_manifest():
+    """The page's table of archives, sums, member paths and line counts is aiayn's own."""
+    rows = [line for line in DOC.read_text(encoding="utf-8").splitlines()
+            if line.startswith("| ") and ".tgz`" in line]
+    assert len(rows) == len(WMT14["archives"])
+    for archive, row in zip(WMT14["archives"], rows):
+        assert f"| `{archive['url']}` | {archive['bytes']:,} | `{archive['sha256']}` |" in row
+    for corpus, row in zip(WMT14["train"], rows):
+        assert row.startswith(f"| {corpus['name']} |")
+        en, de = corpus["files"]["en"], corpus["files"]["de"]
+        assert en[:-3] == de[:-3] and f"`{en[:-3]}.{{en,de}}`" in row
+        assert row.endswith(f"| {corpus['lines']:,} |")
+    test_row = rows[len(WMT14["train"])]
+    assert all(f"{c['name']}" in test_row for c in WMT14["test"])
+    assert "; ".join(f"{c['lines']:,}" for c in WMT14["test"]) in test_row
+    for c in WMT14["test"]:
+        en, de = c["files"]["en"], c["files"]["de"]
+        assert (f"`{en[:-3]}.{{en,de}}`" in test_row if en[:-3] == de[:-3]
+                else f"`{en}`" in test_row and f"`{de}`" in test_row)
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
 
 
 @pytest.mark.slow
-def test_recipe_end_to_end_on_a_synthetic_slice(tmp_path: Path) -> None:
-    synthetic = _synthetic()
-    raw = tmp_path / "raw"
-    src, tgt = synthetic.write_corpus(raw, 1000, types=5000, data_dir="")
-    dev = synthetic.write_corpus(raw, 40, stem="newstest2013", seed=2, types=5000, data_dir="")
-    test = synthetic.write_corpus(raw, 40, stem="newstest2014", seed=3, types=5000, data_dir="")
-    py = sys.executable
-    wmt = tmp_path / "wmt14"
-    wmt.mkdir()
+def test_every_bash_block_of_the_page_runs_in_order(tmp_path: Path) -> None:
+    www = tmp_path / "www"
+    manifest = _synthetic().write_wmt14_archives(www, PAIRS, (TEST_PAIRS, TEST_PAIRS))
+    manifest_path = tmp_path / "manifest.json"
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    work = tmp_path / "work"
+    work.mkdir()
+    data_dir = tmp_path / "data"
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                            partial(_Quiet, directory=str(www)))
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    try:
+        mirror = f"http://127.0.0.1:{httpd.server_address[1]}/"
+        script = ["set -euo pipefail"]
+        for n, (lang, body) in enumerate(fenced_blocks(DOC.read_text(encoding="utf-8"))):
+            if lang == "bash":
+                script += [f"echo '### block {n}'", body]
+        script = "\n".join(script)
+        for old, new, count in shrink(mirror, manifest_path, 27500 + os.getpid() % 1000):
+            assert script.count(old) == count, f"the page has {old!r} " \
+                f"{script.count(old)} times, the test expects {count}: update SHRINK"
+            script = script.replace(old, new)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   AIAYN_DATA_DIR=str(data_dir), AIAYN_CACHE_DIR=str(tmp_path / "cache"),
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+        env.pop("AIAYN_DEBUG", None)
+        env.pop("AIAYN_WMT14_MIRROR", None)
+        res = subprocess.run(["bash", "-c", script], cwd=work, env=env, capture_output=True,
+                             text=True, timeout=600)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
 
-    # 1. clean (fairseq's rules)
-    out = _run(py, "-m", "aiayn.data.clean", "--src", str(src), "--tgt", str(tgt),
-               "--out-src", str(wmt / "train.clean.en"), "--out-tgt",
-               str(wmt / "train.clean.de"), "--json")
-    counts = json.loads(out)
-    assert counts["read"] == 1000 and 0 < counts["kept"] <= 1000
-    # 2. the shared vocabulary, learned once from a sample (here half the sentences)
-    out = _run(py, "-m", "aiayn", "vocab", "--src", str(wmt / "train.clean.en"), "--tgt",
-               str(wmt / "train.clean.de"), "--size", "1000", "--sample-lines",
-               str(counts["kept"]), "-o", str(wmt / "vocab"), "--json")
-    vocab = json.loads(out)
-    assert vocab["pairs_used"] == counts["kept"] // 2 and vocab["round_trip_rate"] == 1.0
-    # 3. prepare the cleaned pairs once: memory-mapped token ids every process maps
-    out = _run(py, "-m", "aiayn", "prepare", "--src", str(wmt / "train.clean.en"), "--tgt",
-               str(wmt / "train.clean.de"), "--vocab", str(wmt / "vocab"), "-o",
-               str(wmt / "prepared"), "--json")
-    manifest = json.loads(out)
-    assert 0 < manifest["counts"]["kept"] <= counts["kept"]
-    # 4. train: two processes share the base preset's 25000-token update
-    run_dir = tmp_path / "runs" / "wmt14-base"
-    data = ["data.dataset=files", f"data.prepared={wmt / 'prepared'}",
-            f"data.valid_src={dev[0]}", f"data.valid_tgt={dev[1]}",
-            "data.global_max_tokens=25000"]
-    sets = [arg for item in data + TINY for arg in ("--set", item)]
-    out = _run(py, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(27500 + os.getpid() % 1000), "-m", "aiayn", "train", "--preset", "base",
-               "--vocab", str(wmt / "vocab"), "--run-dir", str(run_dir), *sets,
-               "--no-progress", "--device", "cpu", timeout=600)
+    def lines(path: Path) -> int:
+        return len(path.read_text(encoding="utf-8").splitlines())
+
+    # 1. the fetch: the three corpora joined, the test sets where the recipe reads them
+    assert lines(work / "wmt14" / "train.en") == lines(work / "wmt14" / "train.de") == 1000
+    for name in ("newstest2013", "newstest2014"):
+        assert lines(data_dir / "wmt14-en-de" / f"{name}.de") == TEST_PAIRS
+    # 5. two processes share the base preset's 25000-token update
     assert ("global batch 2 process(es) x 1 accumulation step(s) x 12500 tokens = at most "
             "25000 tokens a side an update (data.global_max_tokens = 25000)") in out
-    config = json.loads((run_dir / "config.json").read_text())
+    run = work / "runs" / "wmt14-base"
+    config = json.loads((run / "config.json").read_text())
     assert (config["data"]["max_tokens"], config["data"]["global_max_tokens"]) == (12500, 25000)
-    assert json.loads((run_dir / "data.json").read_text())["fingerprint"] == \
-        manifest["fingerprint"]
-    # 5. average the last checkpoints (§6.1)
-    _run(py, "-m", "aiayn", "average", str(run_dir), "--last", "2")
-    averaged = run_dir / "averaged"
-    # 6. translate and 7. evaluate on the test set
-    hyp = tmp_path / "newstest2014.hyp.de"
-    _run(py, "-m", "aiayn", "translate", "--checkpoint", str(averaged), "-i", str(test[0]),
-         "-o", str(hyp), "--device", "cpu")
-    assert len(hyp.read_text(encoding="utf-8").splitlines()) == 40
-    out = _run(py, "-m", "aiayn", "evaluate", "--checkpoint", str(averaged), "--src",
-               str(test[0]), "--ref", str(test[1]), "--device", "cpu", "--json")
-    scores = json.loads(out.strip().splitlines()[-1])
-    assert scores["sentences"] == 40
-    assert math.isfinite(scores["scores"]["sacrebleu"]["bleu"])
-    assert math.isfinite(scores["scores"]["paper"]["bleu"])
+    prepared = json.loads((work / "wmt14" / "prepared" / "manifest.json").read_text())
+    assert json.loads((run / "data.json").read_text())["fingerprint"] == prepared["fingerprint"]
+    # 6. a hypothesis file a line a segment, sacreBLEU's signature beside the paper's BLEU
+    assert lines(run / "newstest2014.hyp.de") == TEST_PAIRS
+    assert lines(run / "newstest2013.hyp.de") == TEST_PAIRS
+    assert "nrefs:1|case:mixed" in out and "paper-style tokenized" in out
+    assert "valid_ppl" in out
+    # the one-GPU pipeline, in a run folder of its own
+    assert lines(work / "runs" / "wmt14-base-1gpu" / "test.hyp.de") == TEST_PAIRS
 
 
 def test_global_batch_sets_each_batch_and_is_logged(tmp_path: Path) -> None:
@@ -132,26 +183,3 @@ def test_global_batch_sets_each_batch_and_is_logged(tmp_path: Path) -> None:
     assert any("learned from all of 200 pairs" in line for line in lines)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())["data"]
     assert (saved["max_tokens"], saved["global_max_tokens"]) == (1024, 2048)
-
-
-@pytest.mark.slow
-def test_pipeline_takes_a_test_set_as_files(tmp_path: Path, capsys) -> None:
-    """A dataset of files names no test split: ``--test-src``/``--test-tgt`` give it one (the
-    recipe's newstest2014), translated once and scored against its references."""
-    from aiayn.cli import main
-
-    synthetic = _synthetic()
-    src, tgt = synthetic.write_corpus(tmp_path, 300, types=2000, data_dir="")
-    dev = synthetic.write_corpus(tmp_path, 20, stem="dev", seed=2, types=2000, data_dir="")
-    test = synthetic.write_corpus(tmp_path, 25, stem="test", seed=3, types=2000, data_dir="")
-    sets = ["data.dataset=files", f"data.train_src={src}", f"data.train_tgt={tgt}",
-            f"data.valid_src={dev[0]}", f"data.valid_tgt={dev[1]}", "data.vocab_size=300",
-            "train.max_steps=6", "train.checkpoint_every_steps=3", "train.eval_every_steps=6"]
-    code = main(["pipeline", "--preset", "tiny", "--run-dir", str(tmp_path / "run"),
-                 "--no-progress", "--json", "--average", "2", "--test-src", str(test[0]),
-                 "--test-tgt", str(test[1]), *[a for s in sets for a in ("--set", s)]])
-    assert code == 0
-    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert results["test_set"] == "test.en" and math.isfinite(results["sacrebleu_bleu"])
-    hyps = (tmp_path / "run" / "test.hyp.de").read_text(encoding="utf-8").splitlines()
-    assert len(hyps) == 25

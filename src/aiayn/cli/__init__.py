@@ -16,6 +16,7 @@ from aiayn.errors import UserError
 # name -> module (in the order `aiayn --help` lists them)
 COMMANDS = {
     "pipeline": "aiayn.cli.pipeline",
+    "fetch": "aiayn.cli.fetch",
     "vocab": "aiayn.cli.vocab",
     "prepare": "aiayn.cli.prepare",
     "train": "aiayn.cli.train",
