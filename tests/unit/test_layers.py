@@ -29,7 +29,8 @@ LAYERS: list[list[str]] = [
     ["aiayn.training"],  # trains; it decodes through aiayn.decoding, never the Translator
     ["aiayn.translator"],
     ["aiayn.selection", "aiayn.experiments", "aiayn.serve"],
-    ["aiayn.cli"],
+    ["aiayn.pipeline"],  # the main job: train, choose on val, decode, score, results.json
+    ["aiayn.cli"],  # parses arguments for the library and prints what it returns
     ["aiayn", "aiayn.__main__"],  # the package's lazy facade, and `python -m aiayn`
 ]
 
