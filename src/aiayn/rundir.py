@@ -125,6 +125,40 @@ class RunDir:
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
 
+    @classmethod
+    def of(cls, path: str | Path) -> RunDir | None:
+        """Whose run ``path`` is, the one rule for it: a run directory is its own run; a
+        checkpoint a run keeps (``RUN/best``, ``RUN/ema``, ``RUN/averaged``,
+        ``RUN/checkpoints/step-N``), or a file in one (``model.safetensors``), or a file of the
+        run itself, is that run's. None for anything else (a checkpoint on its own, a
+        converted model). An ensemble member's checkpoint is the member's run
+        (``RUN/member-K``), whose own run directory it is.
+
+        Raises:
+            UserError: ``path`` does not exist.
+        """
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"{path}: no such file or directory")
+        if path.is_file():
+            path = path.parent
+        if cls(path).is_run:
+            return cls(path)
+        if path.name in (AVERAGED, BEST, EMA) and cls(path.parent).is_run:
+            return cls(path.parent)
+        if step_number(path) is not None and path.parent.name == CHECKPOINTS \
+                and cls(path.parent.parent).is_run:
+            return cls(path.parent.parent)
+        return None
+
+    @property
+    def is_run(self) -> bool:
+        """This folder is a run directory: not a checkpoint, and holding what only a run does
+        (``checkpoints/``, ``train_summary.json``, a generation or an ensemble record)."""
+        return self.path.is_dir() and not is_checkpoint(self.path) and any(
+            p.exists() for p in (self.checkpoints, self.train_summary, self.generation_config,
+                                 self.ensemble_file))
+
     def __truediv__(self, name: str) -> Path:
         return self.path / name
 

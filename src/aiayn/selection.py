@@ -14,7 +14,8 @@ first tried). Then:
   GENERATION_CONFIG`), so that the run directory loads as the chosen model;
 - :func:`write_results` writes the job's ``results.json``.
 
-``aiayn pipeline`` calls these in a few lines; so can any script.
+The job (:func:`aiayn.pipeline.run_job`) calls these in a few lines, and reports their
+progress (``say``) under its own stage; so can any script.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def candidates(runs: Sequence[RunDir], widths: Sequence[int], ema_decay: float,
     for k in widths:
         same = tuple(min(k, n) for n in saved)  # how many checkpoints each run would average
         if same in first_of:
-            say(f"[2/4] --average {k}: the run saved {max(saved)} checkpoints, the same as "
+            say(f"--average {k}: the run saved {max(saved)} checkpoints, the same as "
                 f"--average {first_of[same]}; scored once")
             continue
         first_of[same] = k
@@ -76,12 +77,12 @@ def candidate_model(runs: Sequence[RunDir], k: int | str, *, ensemble: bool = Fa
     found, paths = [], []
     for run in runs:
         if k == EMA:
-            say(f"[2/4] the moving average of the weights: {run.ema}")
+            say(f"the moving average of the weights: {run.ema}")
             found.append(run.ema)
             paths.append(run.ema)
             continue
         last = run.steps()[-k:]
-        say(f"[2/4] averaging the last {len(last)} checkpoints (§6.1)"
+        say(f"averaging the last {len(last)} checkpoints (§6.1)"
             + (f" of {run.path.name}" if ensemble else "") + f": "
             f"{', '.join(p.name for p in last)}")
         found += last
@@ -157,7 +158,7 @@ def choose_on_valid(runs: Sequence[RunDir], options: Sequence[int | str],
         for k in options:
             made[str(k)] = candidate_model(runs, k, ensemble=ensemble, say=say)
             translator = translator_of(made[str(k)][1])
-            say(f"[3/4] translating {len(valid_src)} validation sentences: beam "
+            say(f"translating {len(valid_src)} validation sentences: beam "
                 f"{decode.beam_size}, alpha {', '.join(map(str, alphas))}")
             scores = by_average[str(k)] = {}
             for a in alphas:
@@ -165,7 +166,7 @@ def choose_on_valid(runs: Sequence[RunDir], options: Sequence[int | str],
                 hyps[(str(k), str(a))] = translator.translate(
                     valid_src, preprocessed=True, progress=progress, **search)
                 scores[str(a)] = round(bleu(hyps[(str(k), str(a))]), 2)
-                say(f"      val BLEU, {described(k)}, alpha {a}: {scores[str(a)]:.2f}")
+                say(f"  val BLEU, {described(k)}, alpha {a}: {scores[str(a)]:.2f}")
         weights, alpha = max(((k, a) for k in options for a in alphas),
                              key=lambda ka: by_average[str(ka[0])][str(ka[1])])
     if valid_src and weights == options[-1]:  # on disk as it was scored

@@ -162,17 +162,14 @@ class Translator:
                 weights that do not fit their config.
         """
         from aiayn.devices import choose_device
-        from aiayn.precision import default_decoding_precision
 
         dev = choose_device(device)
         loaded = load_pretrained(path, dev, warn or logger.warning)
-        record = loaded.record
-        decode = record.get("decode", loaded.config.decode)
-        if precision is None:  # what the run's fidelity check recorded, else fp32
-            precision = default_decoding_precision(record.get("precision"), dev)
-        return cls(loaded.models, loaded.vocab, config=loaded.config, decode=decode, device=dev,
-                   precision=precision, source=loaded.sources, warn=warn, workers=workers,
-                   shortlist=shortlist)
+        # the loader's config carries the run's chosen search settings and its precision
+        return cls(loaded.models, loaded.vocab, config=loaded.config,
+                   decode=loaded.config.decode, device=dev,
+                   precision=loaded.precision if precision is None else precision,
+                   source=loaded.sources, warn=warn, workers=workers, shortlist=shortlist)
 
     # --- what it decodes with ---------------------------------------------------------------
     @property

@@ -33,6 +33,7 @@ def test_pipeline_on_a_multi30k_slice(data_dir: Path, tmp_path: Path, capsys) ->
                        "--average", "3", "1"])
     assert code == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads((run_dir / "results.json").read_text()) == results
 
     # each averaging width, and the moving average of the weights, was scored on val; the
     # best one is the model on disk that translated the test set

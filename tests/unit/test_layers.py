@@ -1,6 +1,9 @@
 """The package's layers: every import in src/aiayn (function-local and TYPE_CHECKING imports
 included, read from the source, so nothing is hidden) points down this order, and no module
-imports itself back through others (after torchtune's tests/test_import_recipes.py)."""
+imports itself back through others (after torchtune's tests/test_import_recipes.py). A module
+launched as a program (``[sys.executable, "-m", "aiayn.x", ...]``) counts as imported: a
+library that runs ``python -m aiayn train`` in a child process depends on the command line as
+much as one that imports it."""
 
 from __future__ import annotations
 
@@ -26,12 +29,21 @@ LAYERS: list[list[str]] = [
     ["aiayn.training"],  # trains; it decodes through aiayn.decoding, never the Translator
     ["aiayn.translator"],
     ["aiayn.selection", "aiayn.experiments", "aiayn.serve"],
-    ["aiayn.cli"],
+    ["aiayn.pipeline"],  # the main job: train, choose on val, decode, score, results.json
+    ["aiayn.cli"],  # parses arguments for the library and prints what it returns
     ["aiayn", "aiayn.__main__"],  # the package's lazy facade, and `python -m aiayn`
 ]
 
 # edges against the order that are being removed; nothing else goes here
 TEMPORARY_ALLOWED: set[tuple[str, str]] = set()
+
+# what `python -m NAME` runs, where it is not NAME itself: the package's __main__ is the
+# command line
+LAUNCHED = {"aiayn": "aiayn.cli"}
+
+# modules whose job is to run the command itself as a user does, in a child process (a load
+# generator for `aiayn serve` and its tests): a launch of the command, not a use of it
+COMMAND_LAUNCHERS = {"aiayn.serve.loadtest"}
 
 
 def modules() -> dict[str, Path]:
@@ -62,6 +74,12 @@ def imports(path: Path, known: dict[str, Path]) -> set[tuple[str, int]]:
             # `from aiayn.data import text` imports the module aiayn.data.text
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
                        for a in node.names]
+        if isinstance(node, (ast.List, ast.Tuple)):  # [sys.executable, "-m", "aiayn.x", ...]
+            items = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
+            for flag, name in zip(items, items[1:]):
+                if flag == "-m" and isinstance(name, str) and \
+                        (name == "aiayn" or name.startswith("aiayn.")):
+                    targets.append(LAUNCHED.get(name, name))
         for target in targets:
             if target == "aiayn" or target.startswith("aiayn."):
                 while target not in known and "." in target:
@@ -101,6 +119,8 @@ def test_imports_point_down_the_layers():
         for target, line in imports(path, known):
             dst = unit_of(target)
             if dst == src or target == "aiayn":  # within a unit; the root's __version__
+                continue
+            if module in COMMAND_LAUNCHERS and dst == "aiayn.cli":
                 continue
             if layer_of(dst) < layer_of(src) or (src, dst) in TEMPORARY_ALLOWED:
                 continue
@@ -147,9 +167,11 @@ def test_the_checker_sees_hidden_imports(tmp_path):
     (pkg / "data" / "__init__.py").write_text("")
     (pkg / "translator.py").write_text("")
     (pkg / "data" / "text.py").write_text(
-        "def f():\n    from aiayn.translator import Translator\n    from . import vocab\n")
+        "def f():\n    from aiayn.translator import Translator\n    from . import vocab\n"
+        "    subprocess.run([sys.executable, '-m', 'aiayn', 'train'])\n"
+        "    return (sys.executable, '-m', 'aiayn.translator')\n")
     (pkg / "data" / "vocab.py").write_text("")
-    known = {"aiayn": pkg, "aiayn.translator": pkg / "translator.py",
+    known = {"aiayn": pkg, "aiayn.translator": pkg / "translator.py", "aiayn.cli": pkg,
              "aiayn.data": pkg / "data", "aiayn.data.text": pkg / "data" / "text.py",
              "aiayn.data.vocab": pkg / "data" / "vocab.py"}
     global SRC
@@ -158,4 +180,27 @@ def test_the_checker_sees_hidden_imports(tmp_path):
         found = imports(pkg / "data" / "text.py", known)
     finally:
         SRC = saved
-    assert found == {("aiayn.translator", 2), ("aiayn.data.vocab", 3)}
+    assert found == {("aiayn.translator", 2), ("aiayn.data.vocab", 3), ("aiayn.cli", 4),
+                     ("aiayn.translator", 5)}
+
+
+def test_the_checker_sees_an_ensemble_launch(tmp_path):
+    """training/ensemble.py starts its members as programs: the launch is read as an import
+    (of aiayn.training itself now; of aiayn.cli, against the layers, had it run `python -m
+    aiayn train` as it once did)."""
+    known = modules()
+    path = known["aiayn.training.ensemble"]
+    assert "aiayn.training.ensemble" in {t for t, _ in imports(path, known)}
+    text = path.read_text(encoding="utf-8")
+    assert '"-m", "aiayn.training.ensemble"' in text, "the members' launch moved: update me"
+    copy = tmp_path / "aiayn" / "training" / "ensemble.py"
+    copy.parent.mkdir(parents=True)
+    copy.write_text(text.replace('"-m", "aiayn.training.ensemble"', '"-m", "aiayn", "train"'),
+                    encoding="utf-8")
+    global SRC
+    saved, SRC = SRC, tmp_path
+    try:
+        found = {t for t, _ in imports(copy, known)}
+    finally:
+        SRC = saved
+    assert "aiayn.cli" in found and layer_of("aiayn.cli") > layer_of("aiayn.training")

@@ -30,6 +30,7 @@ from aiayn.parsing.trees import (
     repair,
     right_branching,
     split_by_file,
+    to_line,
 )
 
 T = Tree.fromstring
@@ -237,3 +238,54 @@ def test_right_branching_baseline_shape():
     tree = right_branching(["a", "b", "c", "d"])
     assert tree == T("(S (XX a) (NP (XX b) (NP (XX c) (XX d))))")
     assert right_branching(["a"]).leaves() == ["a"]
+
+
+# --- aiayn parse eval on a run --------------------------------------------------------------
+
+def test_parse_eval_of_a_runs_checkpoint_writes_into_the_run_with_its_chosen_alpha(
+        tmp_path, capsys):
+    """``aiayn parse eval RUN/best`` loads through the one loader: it decodes with the alpha
+    and beam the run chose (its generation record), not the checkpoint's own, and writes
+    SPLIT.parsed and SPLIT.results.json into RUN, not the folder above it. An ``--alpha``
+    given still wins."""
+    import json
+
+    from aiayn.checkpoint import save_checkpoint
+    from aiayn.cli import main
+    from aiayn.config import Config, DecodeConfig
+    from aiayn.rundir import RunDir
+
+    form = TargetForm.from_name("xx")
+    trees = [T("(S (NP (DT the) (NN cat)) (VP (VBD sat)))"),
+             T("(S (NP (NNS dogs)) (VP (VBP bark)) (. .))")]
+    words = [t.leaves() for t in trees]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test.src").write_text("".join(" ".join(w) + "\n" for w in words))
+    (data / "test.gold").write_text("".join(to_line(t) + "\n" for t in trees))
+    (data / "split.json").write_text(json.dumps({"target_form": form.name}))
+    vocab = word_vocabulary(words, [linearize(t, form)[1] for t in trees])
+    own = DecodeConfig(beam_size=2, alpha=0.3, max_len_b=12)
+    config = Config(name="parse-test", decode=own, model=ModelConfig(
+        N=1, d_model=16, d_ff=32, h=2, d_k=8, d_v=8, P_drop=0.0, vocab_size=len(vocab),
+        max_len=64))
+    torch.manual_seed(0)
+    run = RunDir(tmp_path / "run")
+    save_checkpoint(run.best, Transformer(config.model), config, vocab)
+    run.train_summary.write_text("{}")
+    chosen = DecodeConfig(beam_size=3, alpha=1.1, max_len_b=12)
+    run.write_generation([run.best], chosen, precision="fp32")
+
+    def evaluate(*extra: str) -> dict:
+        assert main(["parse", "eval", str(run.best), "--data", str(data), "--no-progress",
+                     "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    res = evaluate()
+    assert (res["alpha"], res["beam_size"]) == (chosen.alpha, chosen.beam_size)
+    assert res["model_folders"] == [str(run.best)]
+    assert json.loads((run / "test.results.json").read_text()) == res
+    assert len((run / "test.parsed").read_text().splitlines()) == len(trees)
+    assert not (tmp_path / "test.parsed").exists()
+    assert not (tmp_path / "test.results.json").exists()
+    assert evaluate("--alpha", "0.5")["alpha"] == 0.5

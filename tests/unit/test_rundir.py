@@ -87,6 +87,28 @@ def test_an_ensemble_is_each_members_model(tmp_path):
     assert run.runs()[1].path == two.path and run.member_log(2).name == "member-2.log"
 
 
+def test_whose_run_a_checkpoint_is(tmp_path):
+    """RunDir.of: the run, its named checkpoints, a step checkpoint and a file in one are the
+    run's; an ensemble member's checkpoint is the member's run; a checkpoint on its own and a
+    folder inside a checkpoint's parent that is no run are nobody's."""
+    run = trained_run(tmp_path / "run")
+    for path in (run.path, run.best, run.ema, run.averaged, run.step(10),
+                 run.best / rundir.WEIGHTS, run.train_summary):
+        assert RunDir.of(path).path == run.path, path
+    ens = RunDir(tmp_path / "ens")
+    ens.path.mkdir()
+    ens.write_members(2)
+    member = trained_run(ens.member(1).path)
+    assert RunDir.of(member.averaged).path == member.path
+    assert RunDir.of(ens.path).path == ens.path
+    alone = fake_checkpoint(tmp_path / "alone" / "best")
+    assert RunDir.of(alone) is None and RunDir.of(alone / rundir.WEIGHTS) is None
+    assert RunDir.of(fake_checkpoint(run.path / "elsewhere" / "best")) is None
+    assert not RunDir(run.best).is_run and run.is_run
+    with pytest.raises(UserError, match="nosuch: no such file"):
+        RunDir.of(tmp_path / "nosuch")
+
+
 def test_what_is_no_model_is_refused_by_name(tmp_path):
     with pytest.raises(UserError, match="nosuch: no such file or directory"):
         model_paths(tmp_path / "nosuch")

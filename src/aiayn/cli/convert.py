@@ -35,11 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from aiayn.checkpoint import load_checkpoint, save_checkpoint
+    from aiayn.checkpoint import save_checkpoint
     from aiayn.errors import UserError
-    from aiayn.rundir import model_paths
+    from aiayn.pretrained import load_pretrained
 
     if args.quantization and args.to_format != "ctranslate2":
         raise UserError("--quantization applies to --to ctranslate2 only")
@@ -51,14 +49,14 @@ def run(args: argparse.Namespace) -> int:
         model, config, vocab = import_hf(args.input)
         save_checkpoint(args.output, model, config, vocab, meta={"converted_from": str(
             args.input), "format": "hf-marian"})
-    else:
-        paths, record = model_paths(args.input, say=lambda msg: print(msg, file=sys.stderr))
+    else:  # the one loader: the run's chosen search settings travel with the model
+        loaded = load_pretrained(args.input, "cpu",
+                                 lambda msg: print(msg, file=sys.stderr))
+        paths = loaded.sources
         if len(paths) > 1:
             raise UserError(f"{args.input}: an ensemble of {len(paths)} models "
-                            f"({', '.join(map(str, paths))}); export one member's folder")
-        model, config, vocab = load_checkpoint(paths[0])
-        if record:  # the run's chosen search settings travel with the model
-            config = dataclasses.replace(config, decode=record["decode"])
+                            f"({', '.join(paths)}); export one member's folder")
+        model, config, vocab = loaded.models[0], loaded.config, loaded.vocab
         try:
             if args.to_format == "hf":
                 from aiayn.interop.marian import export_hf
@@ -72,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         except UserError as err:
             raise UserError(f"{args.input}: {err}") from None
     summary = {"input": args.input, "output": args.output,
-               "checkpoint": None if args.from_format else str(paths[0]),
+               "checkpoint": None if args.from_format else paths[0],
                "from": args.from_format or "aiayn", "to": args.to_format or "aiayn",
                "N": config.model.N, "d_model": config.model.d_model,
                "vocab_size": config.model.vocab_size,

@@ -91,15 +91,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "(and the treebank PCFG's parses, with --pcfg), labelled "
                                     "and unlabelled.")
     ev.add_argument("checkpoint", metavar="CHECKPOINT", nargs="+",
-                    help="a run folder (its newest checkpoint) or a checkpoint folder; several "
-                         "make an ensemble (their mean probability; one vocabulary)")
+                    help="a run folder (the model it loads as: its generation record, else "
+                         "its averaged, best or newest checkpoint) or a checkpoint folder; "
+                         "several make an ensemble (their mean probability; one vocabulary)")
     ev.add_argument("--data", default="runs/parse/data", metavar="DIR",
                     help="folder written by `aiayn parse prepare`")
     ev.add_argument("--split", default="test", choices=("dev", "test"), help="split to parse")
     ev.add_argument("--beam-size", type=int, default=None,
-                    help="beam size (default: the model's decode.beam_size, 21)")
+                    help="beam size (default: the run's choice on dev, else the model's "
+                         "decode.beam_size, 21)")
     ev.add_argument("--alpha", type=float, default=None,
-                    help="length penalty (default: the model's decode.alpha, 0.3)")
+                    help="length penalty (default: the run's choice on dev, recorded in its "
+                         "generation_config.json, else the model's decode.alpha, 0.3)")
     ev.add_argument("--limit", type=int, default=0, metavar="K",
                     help="parse only the first K sentences; 0: all")
     ev.add_argument("--max-words", type=int, default=0, metavar="N",
@@ -111,7 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ev.add_argument("--no-constraints", action="store_true",
                     help="plain beam search; malformed outputs are then repaired and counted")
     ev.add_argument("--out", default=None, metavar="DIR",
-                    help="where SPLIT.parsed and SPLIT.results.json go (default: the run dir)")
+                    help="where SPLIT.parsed and SPLIT.results.json go (default: the run "
+                         "the first CHECKPOINT is of: RUN for RUN, RUN/best, RUN/ema, "
+                         "RUN/averaged or RUN/checkpoints/step-N)")
     ev.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -322,11 +327,24 @@ def _read_pcfg(path: Path, sentences: list[list[str]], split: str) -> dict:
     return {i: Tree.fromstring(rec["tree"]) for i, rec in records.items()}
 
 
+def _default_out(path: Path) -> Path:
+    """Where ``parse eval`` writes without ``--out``: the run the model is of
+    (:meth:`aiayn.rundir.RunDir.of`: ``RUN`` for ``RUN``, ``RUN/best``, ``RUN/ema``,
+    ``RUN/averaged`` or a step checkpoint); beside a checkpoint that is no run's; else the
+    folder given."""
+    from aiayn.rundir import RunDir, is_checkpoint
+
+    run = RunDir.of(path)
+    if run is not None:
+        return run.path
+    folder = path.parent if path.is_file() else path
+    return folder.parent if is_checkpoint(folder) else folder
+
+
 def _eval(args: argparse.Namespace) -> int:
     from nltk.tree import Tree
 
-    from aiayn.checkpoint import is_checkpoint, load_checkpoint, write_json_atomic
-    from aiayn.rundir import model_paths
+    from aiayn.checkpoint import write_json_atomic
     from aiayn.data.corpus import read_lines as read_text_lines
     from aiayn.parsing.decode import parse, teacher_forced_accuracy
     from aiayn.parsing.evalb import score_corpus
@@ -366,23 +384,14 @@ def _eval(args: argparse.Namespace) -> int:
         raise UserError(f"no {args.split} sentence left to score (--max-words, --pcfg, --limit)")
     sentences, golds = [sentences[i] for i in keep], [golds[i] for i in keep]
     words_of = [words_of[i] for i in keep]
-    from aiayn.decoding import check_ensemble
+    from aiayn.pretrained import load_pretrained
 
     def say(msg: str) -> None:
         print(f"aiayn parse eval: {msg}", file=sys.stderr)
 
-    folders = [f for c in args.checkpoint for f in model_paths(c, say=say)[0]]
-    loaded = [load_checkpoint(f, args.device or "cpu") for f in folders]
-    model, config, vocab = loaded[0]
-    for path, (_, _, other) in zip(folders[1:], loaded[1:]):
-        if other.tokenizer.get_vocab() != vocab.tokenizer.get_vocab():
-            raise UserError(f"{path}: another vocabulary than {folders[0]}'s; an "
-                            "ensemble needs one")
-    models = [m for m, _, _ in loaded]
-    try:
-        check_ensemble(models)
-    except ValueError as err:
-        raise UserError(str(err)) from None
+    # the one loader: the run's model, with the search settings it chose (generation record)
+    loaded = load_pretrained(args.checkpoint, args.device or "cpu", say)
+    models, config, vocab, folders = loaded.models, loaded.config, loaded.vocab, loaded.sources
     tgt_path = data / f"{args.split}.tgt"
     accuracy = None
     if tgt_path.is_file():  # teacher-forced token accuracy: learned the language at all?
@@ -417,15 +426,13 @@ def _eval(args: argparse.Namespace) -> int:
     round_trip = score_corpus(golds, [delinearize(canonical(linearize(g, form)[1], form)[0], w)
                                       for g, w in zip(golds, words_of)])
     labels = Counter(t.label() for g in golds for t in g.subtrees() if not isinstance(t[0], str))
-    out = Path(args.out) if args.out else Path(args.checkpoint[0])
-    if not args.out and (is_checkpoint(out) or not out.is_dir()):
-        out = out.parent.parent if is_checkpoint(out) else out.parent  # the run folder
+    out = Path(args.out) if args.out else _default_out(Path(args.checkpoint[0]))
     out.mkdir(parents=True, exist_ok=True)
     _write_lines(out / f"{args.split}.parsed", [to_line(t) for t in tests])
     results = {
         "split": args.split, "sentences": len(sentences), "target_form": form.name,
         "checkpoints": [str(c) for c in args.checkpoint],
-        "model_folders": [str(f) for f in folders],  # what they load as (model_paths)
+        "model_folders": folders,  # what they load as (model_paths)
         "beam_size": beam, "alpha": alpha,
         "max_len": f"input + {config.decode.max_len_b}", "constrained": not args.no_constraints,
         "repaired": repaired, "decode_wall_s": round(decode_s, 1),

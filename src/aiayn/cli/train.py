@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from aiayn.config import load_config
     from aiayn.training.loop import DistInfo
-    from aiayn.training.run import run_training
+    from aiayn.training.run import run_training, summary_line
 
     from aiayn.errors import UserError
 
@@ -59,6 +59,5 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(summary))
         else:
-            print("aiayn train: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else
-                                              f"{k}={v}" for k, v in summary.items()))
+            print(summary_line(summary))
     return 0

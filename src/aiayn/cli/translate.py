@@ -20,7 +20,9 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
                    help="checkpoint directory; or a run directory: the model its pipeline "
                         "chose on the validation set (members, averaging, alpha: "
                         f"RUN/{GENERATION_CONFIG}), else its averaged, best or newest "
-                        "checkpoint; or a Hugging Face Marian directory. Several make an "
+                        "checkpoint (a checkpoint the run keeps, RUN/best or "
+                        "RUN/checkpoints/step-N, decodes with the run's chosen search "
+                        "settings too); or a Hugging Face Marian directory. Several make an "
                         "ensemble, whose next-token probabilities are averaged (one "
                         "vocabulary); the first one's settings give the decoding defaults")
     p.add_argument("--beam", type=int, default=None, metavar="K",

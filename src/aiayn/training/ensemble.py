@@ -1,4 +1,4 @@
-"""Train the members of an ensemble side by side, one ``aiayn train`` process each.
+"""Train the members of an ensemble side by side, one process each.
 
 An ensemble (not in the paper) averages the next-token probabilities of models trained apart
 (:class:`aiayn.decoding.search.EnsembleStep`). On a CPU of few cores, N processes of
@@ -12,6 +12,11 @@ member), and each member's own run directory and log.
 
 Member K trains with ``train.seed + K - 1`` (member 1 has the seed of a single run, but fewer
 threads, so under a time budget it makes fewer updates than that run).
+
+Each member is this module run as a program, ``python -m aiayn.training.ensemble`` (see
+:func:`member_main`): the library's own entry point for one run, which calls
+:func:`aiayn.training.run.run_training` as ``aiayn train`` does, without going up through the
+command line (``tests/unit/test_layers.py`` reads such launches as imports).
 """
 
 from __future__ import annotations
@@ -121,7 +126,7 @@ def train_members(
 ) -> list[dict[str, Any]]:
     """Train ``n`` members of ``config`` at once into ``RUN/member-K`` and wait for them.
 
-    Each member is an ``aiayn train`` process with ``threads`` threads (default: this
+    Each member is a process of :func:`member_main` with ``threads`` threads (default: this
     process's torch threads // n, at least 1) in its own session. SIGINT and SIGTERM sent to
     this process are passed on (SIGHUP as SIGTERM), so every member writes its checkpoint and
     stops, and its summary's ``stop_reason`` starts with "signal", as a single run's does; a
@@ -202,8 +207,7 @@ def train_members(
         for k, (member, log_path) in enumerate(zip(dirs, logs), 1):
             if stopped_by:  # a signal came while the members were starting: start no more
                 break
-            cmd = [sys.executable, "-m", "aiayn", "train", "--run-dir", str(member),
-                   "--no-progress"]
+            cmd = [sys.executable, "-m", "aiayn.training.ensemble", "--run-dir", str(member)]
             if resume and list_checkpoints(member):
                 cmd += ["--resume"]
             else:
@@ -262,3 +266,45 @@ def train_members(
         summary.update(run_dir=str(member), seed=seed0 + k - 1, threads=threads)
         summaries.append(summary)
     return summaries
+
+
+def member_main(argv: list[str] | None = None) -> int:
+    """One ensemble member's process (``python -m aiayn.training.ensemble``): train the run in
+    ``--run-dir`` with :func:`aiayn.training.run.run_training`, printing its log and, at the
+    end, the summary line ``aiayn train`` prints. Exit status as the command line's: 0, 2 for
+    a :class:`~aiayn.errors.UserError` or ``OSError`` (one line), 130 on SIGINT before the
+    training loop catches it."""
+    import argparse
+
+    from aiayn.config import load_config
+    from aiayn.devices import widen_onednn_cache
+    from aiayn.training.run import run_training, summary_line
+
+    p = argparse.ArgumentParser(prog="python -m aiayn.training.ensemble",
+                                description="Train one ensemble member (train_members runs it).")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--config", default=None, help="the ensemble's config.json (a new member)")
+    p.add_argument("--vocab", default=None, help="the shared vocabulary")
+    p.add_argument("--set", action="append", default=[], help="section.field=value")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--device", default=None)
+    args = p.parse_args(argv)
+    widen_onednn_cache()  # a process of its own: before its first bf16 product
+    try:
+        config = None if args.resume else load_config(args.config, args.set)
+        summary = run_training(config, args.run_dir, vocab_path=args.vocab,
+                               resume=args.resume, overrides=args.set if args.resume else None,
+                               device=args.device, progress=False,
+                               log=lambda msg: print(msg, flush=True))
+    except (UserError, OSError) as err:
+        print(f"aiayn train: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("aiayn train: interrupted", file=sys.stderr)
+        return 130
+    print(summary_line(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(member_main())

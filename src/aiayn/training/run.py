@@ -268,6 +268,13 @@ def training_data(config: Config, vocab: Any, vocab_path: str | Path | None, run
     return vocab, train, text
 
 
+def summary_line(summary: dict[str, Any]) -> str:
+    """The line ``aiayn train`` (and an ensemble member's process) ends with: its summary as
+    ``key=value`` pairs, floats to 4 significant digits."""
+    return "aiayn train: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in summary.items())
+
+
 def run_training(
     config: Config | None,
     run_dir: str | Path,
