@@ -254,7 +254,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
         k: float32 or bfloat16 (R, h, Tk, d_k) keys, any strides (a cache buffer, or a split
             projection).
         v: (R, h, Tk, d_v) values, k's dtype.
-        key_len: long (R,), the keys each key row holds (its real tokens, a prefix of Tk).
+        key_len: long (R,), the keys each key row holds (its real tokens, a prefix of Tk);
+            (N,), one per query row, with ``key_rows``.
         group: query rows per key row: row r attends to key row r // group (the beams of a
             sentence over its one copy of the encoder output). N = R * group.
         causal_from: -1, or the position of query 0 among the keys: query i then sees keys
@@ -266,7 +267,22 @@ def attend(q: Tensor, k: Tensor, v: Tensor, key_len: Tensor, *, group: int = 1,
 
     Returns:
         float32 (N, Tq, h, d_v): contiguous, so ``.view(N, Tq, h * d_v)`` is the input of W^O.
+
+    Raises:
+        ValueError: shapes or dtypes other than the above (compiled code checks nothing).
+        The caller keeps ``key_len`` within Tk and ``key_rows`` within R (not checked: a
+        pass over them would cost more than the kernel at decoding's sizes).
     """
+    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.dtype != torch.float32
+            or k.dtype != v.dtype or k.dtype not in (torch.float32, torch.bfloat16)
+            or k.shape[:3] != v.shape[:3] or k.shape[1] != q.shape[2]
+            or k.shape[3] != q.shape[3]
+            or key_len.shape != (q.shape[0] if key_rows is not None else k.shape[0],)
+            or (key_rows is None and q.shape[0] != k.shape[0] * group)):
+        raise ValueError(f"attend: q float32 (N, Tq, h, d_k), k and v float32 or bfloat16 "
+                         f"(R, h, Tk, d), key_len (R,) ((N,) with key_rows), N = R * group; got q {q.dtype} "
+                         f"{tuple(q.shape)}, k {k.dtype} {tuple(k.shape)}, v {v.dtype} "
+                         f"{tuple(v.shape)}, key_len {tuple(key_len.shape)}, group {group}")
     N, Tq, H, D = q.shape
     DV = v.shape[3]
     if q.stride(3) != 1:

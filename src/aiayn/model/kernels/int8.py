@@ -137,9 +137,14 @@ def pack_u8s8(w8: Tensor, variant: str) -> tuple[np.ndarray, np.ndarray, int, st
     to a panel,); out; the variant).
 
     Raises:
-        ValueError: a weight beyond the variant's magnitude (:data:`U8S8_VARIANTS`: its sums
-            would saturate).
+        ValueError: not an int8 (out, in) weight, or a weight beyond the variant's magnitude
+            (:data:`U8S8_VARIANTS`: 2 * 255 * 63 = 32,130 fits the "avx2" variant's int16
+            pair sums, 2 * 255 * 127 would saturate them).
     """
+    if w8.dtype != torch.int8 or w8.dim() != 2 or variant not in U8S8_VARIANTS:
+        raise ValueError(f"pack_u8s8: an int8 (out, in) weight and a variant of "
+                         f"{sorted(U8S8_VARIANTS)}, not {w8.dtype} {tuple(w8.shape)} and "
+                         f"{variant!r}")
     lanes, vectors, levels = U8S8_VARIANTS[variant]
     w = w8.contiguous().numpy()
     if w.size and int(np.abs(w.astype(np.int16)).max()) > levels:
@@ -163,16 +168,58 @@ def u8s8_product(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int,
     packed by :func:`pack_u8s8`, on one thread. The activations enter as unsigned bytes
     ``x8 + 128``, and the packed compensation takes ``128 * sum(w)`` off each column, so the
     sums are ``torch._int_mm``'s exactly. Where oneDNN (``torch._int_mm``) packs the weight
-    again at every call, this pays at decoding's few rows (docs/benchmarks.md)."""
+    again at every call, this pays at decoding's few rows (docs/benchmarks.md).
+
+    Raises:
+        ValueError: ``x8`` not int8 (rows, in) on the CPU, a variant :data:`U8S8_VARIANTS`
+            lacks, or a packed weight that does not fit ``x8`` (K agreement: its blocks of 4
+            inputs must be ``ceil(in / 4)``) or ``N`` (not one of its panels' column counts):
+            compiled code checks nothing, and would read and write out of bounds.
+    """
+    cols = _u8s8_check(x8, packed, comp, N, variant)
+    return torch.from_numpy(_u8s8_product(x8.contiguous().numpy(), packed, comp, N, cols,
+                                          _U8S8_MARKER[variant]))
+
+
+def _u8s8_check(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int, variant: str) -> int:
+    """:func:`u8s8_product`'s preconditions, checked (ValueError naming the values); returns
+    the variant's panel width in columns."""
+    if variant not in U8S8_VARIANTS:
+        raise ValueError(f"u8s8_product: no variant {variant!r}; one of "
+                         f"{sorted(U8S8_VARIANTS)}")
     lanes, vectors, _ = U8S8_VARIANTS[variant]
-    return torch.from_numpy(_u8s8_product(x8.contiguous().numpy(), packed, comp, N,
-                                          lanes * vectors, _U8S8_MARKER[variant]))
+    cols = lanes * vectors
+    if x8.dtype != torch.int8 or x8.dim() != 2 or not x8.is_cpu:
+        raise ValueError(f"u8s8_product: x8 must be int8 (rows, in) on the CPU, not "
+                         f"{x8.dtype} {tuple(x8.shape)} on {x8.device}")
+    if (packed.dtype != np.int8 or comp.dtype != np.int32 or packed.ndim != 1
+            or comp.ndim != 1 or comp.size % cols or packed.size % (4 * cols)):
+        raise ValueError(f"u8s8_product: not a {variant} packed weight (pack_u8s8): packed "
+                         f"{packed.dtype} {packed.shape}, compensation {comp.dtype} "
+                         f"{comp.shape}, panels of {cols} columns")
+    panels = comp.size // cols
+    blocks = packed.size // (4 * cols * panels) if panels else 0
+    K = x8.shape[1]
+    if blocks != -(-K // 4) or not (panels - 1) * cols < N <= panels * cols:
+        raise ValueError(f"u8s8_product: the packed weight holds {blocks} blocks of 4 inputs "
+                         f"and {panels} panels of {cols} columns; x8 has {K} inputs "
+                         f"(needs {-(-K // 4)} blocks) and N is {N}")
+    return cols
 
 
 def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
     """Symmetric int8 per row of a float32 (M, K) ``x``: (int8 (M, K), float32 scales (M, 1)),
     bit for bit what ``round(x / (max(amax|x|, 1e-12) / levels))`` gives in torch, in two
-    passes instead of five."""
+    passes instead of five.
+
+    Raises:
+        ValueError: ``x`` not float32 (M, K) on the CPU, or ``levels`` outside 1..127.
+    """
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_cpu:
+        raise ValueError(f"quantize_rows: x must be float32 (M, K) on the CPU, not {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if not 1 <= levels <= 127:
+        raise ValueError(f"quantize_rows: levels must be in 1..127, not {levels}")
     x8, scale = _quantize_rows(x.contiguous().numpy(), levels)
     return torch.from_numpy(x8), torch.from_numpy(scale)
 
@@ -183,7 +230,22 @@ def rescale(acc: Tensor, x_scale: Tensor, w_scale: Tensor, bias: Tensor | None,
     holding the same exact sums: a packed weight's product), in one pass
     (``x_scale`` (M, 1), ``w_scale`` (O,), ``bias`` (O,) or None), rounded as torch's
     ``acc.float().mul_(x_scale).mul_(w_scale).add_(bias)`` rounds; then max(0, ·) with
-    ``relu`` (the FFN's, §3.3)."""
+    ``relu`` (the FFN's, §3.3).
+
+    Raises:
+        ValueError: shapes that do not agree, or dtypes other than those above.
+    """
+    M, n_out = acc.shape if acc.dim() == 2 else (-1, -1)
+    if (acc.dtype not in (torch.int32, torch.float32) or M < 0
+            or x_scale.dtype != torch.float32 or tuple(x_scale.shape) != (M, 1)
+            or w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (n_out,)
+            or (bias is not None and (bias.dtype != torch.float32
+                                      or tuple(bias.shape) != (n_out,)))):
+        raise ValueError(f"rescale: acc int32 or float32 (M, O), x_scale float32 (M, 1), "
+                         f"w_scale and bias float32 (O,); got acc {acc.dtype} "
+                         f"{tuple(acc.shape)}, x_scale {x_scale.dtype} {tuple(x_scale.shape)}, "
+                         f"w_scale {w_scale.dtype} {tuple(w_scale.shape)}, bias "
+                         f"{None if bias is None else (bias.dtype, tuple(bias.shape))}")
     b = bias if bias is not None else w_scale
     return torch.from_numpy(_rescale(acc.numpy(), x_scale.numpy(), w_scale.numpy(), b.numpy(),
                                      bias is not None, relu))
