@@ -261,12 +261,12 @@ def _exact_u8s8(w: Tensor, wt: Tensor, xs: list[Tensor], variant: str) -> tuple 
     try:
         for x in xs:
             if not torch.equal(kernels.u8s8_product(x, *packed), torch._int_mm(x, wt)):
-                kernels.log.warning("aiayn.kernels: the u8s8 product (%s) is not exact for "
+                kernels.log.warning("the u8s8 product (%s) is not exact for "
                                     "a %d x %d weight; torch's products run it", variant,
                                     *w.shape)
                 return None
     except Exception as error:  # noqa: BLE001 - a compile failure at first use
-        kernels.log.warning("aiayn.kernels: the u8s8 product (%s) failed to compile (%s: %s); "
+        kernels.log.warning("the u8s8 product (%s) failed to compile (%s: %s); "
                             "torch's products run its maps", variant, type(error).__name__,
                             (str(error).strip().splitlines() or [""])[0])
         return None

@@ -40,6 +40,7 @@ from aiayn.model.kernels.cpu import (
     build_record,
     cpu_class,
     forced_isa,
+    machine_differs,
     numba_target_has,
     u8s8_variant,
     u8s8_variants,
@@ -155,6 +156,24 @@ WARM_UPS.update(attention=_warm_attention, int8=_warm_int8, search=_warm_search,
                 softmax=_warm_softmax, greedy=_warm_greedy, norm=_warm_norm, embed=_warm_embed)
 
 
+def _say_how() -> None:
+    """The kernels' state at import, for ``AIAYN_VERBOSE=kernels``."""
+    from aiayn.model.kernels import jit
+
+    if not AVAILABLE:
+        log.info("kernels off (%s): torch runs every one",
+                 "AIAYN_NO_KERNELS" if jit.DISABLED else "numba not importable")
+        return
+    from numba.core import config
+
+    log.info("numba %s, target CPU %s%s, kernels %s", jit.numba.__version__,
+             config.CPU_NAME or "host", f" ({config.CPU_FEATURES})" if config.CPU_FEATURES
+             else "", "cached on disk" if jit.CACHED else "compiled in memory")
+
+
+_say_how()
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every enabled family's kernels now, on tiny
     inputs; a family that fails to compile is left out, with one warning (:func:`ready`)."""
@@ -164,7 +183,7 @@ def warm_up() -> None:
 
 __all__ = ["AVAILABLE", "ENABLED", "KINDS", "as_array", "attend", "beam_top", "build_record",
            "cpu_class", "embed", "forced_isa", "int8_linear", "kv_usable", "layer_norm", "log",
-           "log_softmax", "numba_target_has", "pack_u8s8", "prefix_lengths", "quantize_rows",
+           "log_softmax", "machine_differs", "numba_target_has", "pack_u8s8", "prefix_lengths", "quantize_rows",
            "rescale", "rescale_greedy", "rescale_log_softmax", "row_argmax", "u8s8_product",
            "u8s8_variant", "u8s8_variants", "usable", "warm_up", "weight_levels",
            "PREFETCH_BYTES", "U8S8_VARIANTS"]

@@ -208,5 +208,17 @@ def build_record() -> dict:
     return record
 
 
-#: the keys of :func:`build_record` whose difference changes decoded tokens
-RECORD_KEYS = ("kernels", "isa", "weight_levels", "numba", "cpu_class")
+#: the keys of :func:`build_record` whose difference can change decoded tokens: the float
+#: kernels' (every precision), then the int8 product's
+RECORD_KEYS = ("kernels", "numba", "cpu_class")
+INT8_RECORD_KEYS = ("isa", "weight_levels")
+
+
+def machine_differs(recorded: dict, int8: bool) -> str:
+    """How this machine's :func:`build_record` differs from ``recorded`` (a run's) where it
+    can change decoded tokens, e.g. "numba 0.68.1 here, 0.60.0 in the run"; "" where it does
+    not (only the int8 product's keys where ``int8``)."""
+    here = build_record()
+    keys = RECORD_KEYS + (INT8_RECORD_KEYS if int8 else ())
+    return "; ".join(f"{key} {here.get(key)} here, {recorded[key]} in the run" for key in keys
+                     if key in recorded and recorded[key] != here.get(key))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -28,15 +29,31 @@ from torch import Tensor
 log = logging.getLogger("aiayn.kernels")
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to ``sys.stderr`` as it is at each record (a test's capture,
+    a worker's redirection), not as it was when the package was imported."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _verbose() -> None:
-    """Send ``aiayn.kernels``' INFO to stderr where ``AIAYN_VERBOSE`` names "kernels" (a
-    comma-separated list, as ONEDNN_VERBOSE's switch)."""
-    if "kernels" in os.environ.get("AIAYN_VERBOSE", "").replace(" ", "").split(","):
-        if not log.handlers:
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-            log.addHandler(handler)
-        log.setLevel(logging.INFO)
+    """One line per record on stderr, "aiayn.kernels: ...": the warnings always (the
+    fallbacks below), every choice (INFO) where ``AIAYN_VERBOSE`` names "kernels" (a
+    comma-separated list, as ``ONEDNN_VERBOSE`` switches oneDNN's log). Not propagated, so a
+    program's own logging setup does not print them twice."""
+    if not log.handlers:
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    verbose = "kernels" in os.environ.get("AIAYN_VERBOSE", "").replace(" ", "").split(",")
+    log.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 _verbose()
@@ -50,7 +67,7 @@ if not DISABLED:
         import numba
     except Exception as error:  # noqa: BLE001 - not installed, or broken against numpy
         numba = None
-        log.warning("aiayn.kernels: numba could not be imported (%s: %s); torch runs every "
+        log.warning("numba could not be imported (%s: %s); torch runs every "
                     "kernel", type(error).__name__, str(error).splitlines()[0] if str(error)
                     else "")
 
@@ -78,7 +95,7 @@ def _njit(**options):
                 if "cannot cache" not in str(error):
                     raise
                 CACHED = False
-                log.warning("aiayn.kernels: no writable numba cache (%s); the kernels compile "
+                log.warning("no writable numba cache (%s); the kernels compile "
                             "in memory, in every process (set NUMBA_CACHE_DIR to a writable "
                             "folder to keep them)", str(error).splitlines()[0])
         return numba.njit(cache=False, nogil=True, error_model="numpy", **options)(f)
@@ -118,7 +135,7 @@ def ready(kind: str) -> bool:
     except Exception as error:  # noqa: BLE001 - any compile failure falls back to torch
         ENABLED.discard(kind)
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        log.warning("aiayn.kernels: the %r kernels failed to compile (%s: %s); torch runs "
+        log.warning("the %r kernels failed to compile (%s: %s); torch runs "
                     "them", kind, type(error).__name__, first)
         return False
     return True
