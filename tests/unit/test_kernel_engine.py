@@ -293,3 +293,89 @@ print("ok")
                         "NUMBA_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["ok"]
+
+
+def test_a_family_that_fails_to_compile_falls_back_to_torch_and_says_so(monkeypatch, capsys):
+    """A kernel family whose warm-up raises at its first use (as numba's typing or lowering
+    errors do) is left out of ENABLED with one line on stderr, and its callers then take
+    torch's path; aiayn's u8s8 product failing alike leaves its map to torch's products."""
+    from aiayn.model import quantize
+    from aiayn.model.kernels import jit
+
+    def broken():
+        raise RuntimeError("Failed in nopython mode pipeline\n(details)")
+
+    monkeypatch.setitem(jit.WARM_UPS, "embed", broken)
+    monkeypatch.setattr(jit, "_READY", jit._READY - {"embed"})
+    monkeypatch.setattr(jit, "ENABLED", set(jit.ENABLED) | {"embed"})
+    with torch.no_grad():
+        assert not jit.usable(torch.zeros(2), kind="embed")
+        assert not jit.usable(torch.zeros(2), kind="embed")  # asked once only
+    assert "embed" not in jit.ENABLED
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["aiayn.kernels: the 'embed' kernels failed to compile (RuntimeError: "
+                     "Failed in nopython mode pipeline); torch runs them"]
+    if quantize.u8s8_variant() is None:
+        return
+    monkeypatch.setattr(kernels, "u8s8_product", lambda *args: broken())
+    w, wt, xs = quantize._probe_operands(64, 48, (4,))
+    assert quantize._exact_u8s8(w, wt, xs, quantize.u8s8_variant()) is None
+    assert "the u8s8 product" in capsys.readouterr().err
+
+
+def test_a_map_takes_each_path_of_its_plan_by_row_count_with_the_same_numbers(monkeypatch):
+    """One map, three paths by row count (aiayn's u8s8 kernel up to 4 rows, FBGEMM up to 40,
+    torch._int_mm above): each product runs where the plan says, and every output is the
+    unpacked map's bit for bit, in a copy too."""
+    import copy
+
+    from aiayn.model import quantize
+    from aiayn.model.quantize import Int8Linear
+
+    if not kernels.u8s8_variants() or "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("needs aiayn's u8s8 kernel and FBGEMM")
+    monkeypatch.setattr(quantize, "weight_levels", lambda: 63)  # every variant sums it exactly
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(torch.nn.Linear(96, 80))
+    q._set_packing(None)
+    xs = {m: torch.randn(m, 96) for m in (1, 4, 17, 40, 130)}
+    with torch.inference_mode():
+        want = {m: q(x) for m, x in xs.items()}
+    ran = []
+    for name in ("u8s8_product",):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, real=real: ran.append("u8s8") or real(*a))
+    real_fb = quantize._fbgemm_product
+    monkeypatch.setattr(quantize, "_fbgemm_product",
+                        lambda *a: ran.append("fbgemm") or real_fb(*a))
+    q._set_packing(((4, "u8s8"), (40, "fbgemm"), (1 << 62, "int_mm")))
+    assert q.packing == "u8s8+fbgemm"
+    for model in (q, copy.deepcopy(q)):
+        ran.clear()
+        with torch.inference_mode():
+            for m, x in xs.items():
+                assert torch.equal(model(x), want[m]), m
+        assert ran == ["u8s8", "u8s8", "fbgemm", "fbgemm"]  # 130 rows: torch._int_mm
+
+
+def test_the_wrappers_refuse_mismatched_shapes_before_compiled_code_runs():
+    """u8s8_product and attend check what compiled code would read out of bounds."""
+    if not kernels.u8s8_variants():
+        pytest.skip("the u8s8 product needs x86-64 with AVX2")
+    variant = kernels.u8s8_variants()[-1]
+    w8 = torch.randint(-63, 64, (40, 32), dtype=torch.int8)
+    packed, comp, N, _ = kernels.pack_u8s8(w8, variant)
+    x8 = torch.zeros(3, 33, dtype=torch.int8)  # one input more than the weight's
+    with pytest.raises(ValueError, match="x8 has 33 inputs"):
+        kernels.u8s8_product(x8, packed, comp, N, variant)
+    with pytest.raises(ValueError, match="N is 900"):
+        kernels.u8s8_product(x8[:, :32], packed, comp, 900, variant)
+    with pytest.raises(ValueError, match="x8 must be int8"):
+        kernels.u8s8_product(x8[:, :32].float(), packed, comp, N, variant)
+    with pytest.raises(ValueError, match="pack_u8s8: an int8"):
+        kernels.pack_u8s8(w8.float(), variant)
+    q, k = torch.zeros(4, 1, 2, 8), torch.zeros(2, 2, 5, 8)
+    with pytest.raises(ValueError, match="attend: "):
+        kernels.attend(q, k, k[:, :, :3], torch.tensor([5, 5]), group=2)  # fewer values
+    with pytest.raises(ValueError, match="attend: "):
+        kernels.attend(q, k, k, torch.tensor([5, 5]), group=3)
