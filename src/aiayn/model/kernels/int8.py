@@ -176,14 +176,25 @@ def u8s8_product(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int,
             inputs must be ``ceil(in / 4)``) or ``N`` (not one of its panels' column counts):
             compiled code checks nothing, and would read and write out of bounds.
     """
-    cols = _u8s8_check(x8, packed, comp, N, variant)
-    return torch.from_numpy(_u8s8_product(x8.contiguous().numpy(), packed, comp, N, cols,
-                                          _U8S8_MARKER[variant]))
+    shape = _U8S8_SHAPES.get(variant)
+    # one expression, a few hundred ns: this runs at every product of a decoding step, and a
+    # slower check shifted weight_u8s8_rows' timing (the full message only on failure)
+    if (shape is None or x8.dtype != torch.int8 or x8.dim() != 2
+            or packed.size != ((x8.shape[1] + 3) // 4) * 4 * comp.size
+            or not comp.size - shape[1] < N <= comp.size or packed.dtype != np.int8
+            or comp.dtype != np.int32):
+        _u8s8_check(x8, packed, comp, N, variant)
+    return torch.from_numpy(_u8s8_product(x8.contiguous().numpy(), packed, comp, N, shape[1],
+                                          shape[0]))
 
 
-def _u8s8_check(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int, variant: str) -> int:
-    """:func:`u8s8_product`'s preconditions, checked (ValueError naming the values); returns
-    the variant's panel width in columns."""
+#: variant -> (its marker, its panel's columns), for :func:`u8s8_product`
+_U8S8_SHAPES = {v: (_U8S8_MARKER[v], lanes * vectors)
+                for v, (lanes, vectors, _) in U8S8_VARIANTS.items()}
+
+
+def _u8s8_check(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int, variant: str) -> None:
+    """Raise the ValueError that names which of :func:`u8s8_product`'s preconditions fails."""
     if variant not in U8S8_VARIANTS:
         raise ValueError(f"u8s8_product: no variant {variant!r}; one of "
                          f"{sorted(U8S8_VARIANTS)}")
@@ -200,11 +211,12 @@ def _u8s8_check(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int, varian
     panels = comp.size // cols
     blocks = packed.size // (4 * cols * panels) if panels else 0
     K = x8.shape[1]
-    if blocks != -(-K // 4) or not (panels - 1) * cols < N <= panels * cols:
+    if (blocks != -(-K // 4) or packed.size != blocks * 4 * cols * panels
+            or not (panels - 1) * cols < N <= panels * cols):
         raise ValueError(f"u8s8_product: the packed weight holds {blocks} blocks of 4 inputs "
                          f"and {panels} panels of {cols} columns; x8 has {K} inputs "
                          f"(needs {-(-K // 4)} blocks) and N is {N}")
-    return cols
+    raise AssertionError("u8s8_product: the quick check and _u8s8_check disagree")
 
 
 def quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
