@@ -170,6 +170,13 @@ class Translator:
         decode = record.get("decode", loaded.config.decode)
         if precision is None:  # what the run's fidelity check recorded, else fp32
             precision = default_decoding_precision(record.get("precision"), dev)
+        if record.get("machine") and dev.type == "cpu":  # the kernels' facts at the run
+            from aiayn.model.kernels import machine_differs
+
+            differs = machine_differs(record["machine"], int8=precision == "int8")
+            if differs:
+                (warn or logger.warning)(f"{path}: decoding on another machine than the run's "
+                                         f"({differs}): a few lines may differ from its output")
         return cls(loaded.models, loaded.vocab, config=loaded.config, decode=decode, device=dev,
                    precision=precision, source=loaded.sources, warn=warn, workers=workers,
                    shortlist=shortlist)

@@ -379,3 +379,24 @@ def test_the_wrappers_refuse_mismatched_shapes_before_compiled_code_runs():
         kernels.attend(q, k, k[:, :, :3], torch.tensor([5, 5]), group=2)  # fewer values
     with pytest.raises(ValueError, match="attend: "):
         kernels.attend(q, k, k, torch.tensor([5, 5]), group=3)
+
+
+def test_translate_warns_in_one_line_where_the_machine_differs_from_the_runs(tmp_path):
+    """A run's generation record keeps build_record(); loading it on a machine whose record
+    differs where the tokens can change (numba here) says so once; the same machine, never."""
+    sys.path.insert(0, str(UNIT.parent))
+    from serving import tiny_checkpoint
+
+    from aiayn import Translator
+    from aiayn.config import DecodeConfig
+    from aiayn.rundir import write_generation_config
+
+    run = tmp_path / "run"
+    member = tiny_checkpoint(run / "member-1" / "averaged")
+    here = kernels.build_record()
+    said: list[str] = []
+    for machine in (here, {**here, "numba": "0.0.1"}):
+        write_generation_config(run, [member], DecodeConfig(), precision="fp32",
+                                machine=machine)
+        Translator.from_pretrained(run, device="cpu", warn=said.append)
+    assert len(said) == 1 and f"numba {here['numba']} here, 0.0.1 in the run" in said[0]
