@@ -238,9 +238,12 @@ def record_choice(run_dir: str | Path, choice: Choice, decode: DecodeConfig, *,
     run's DataConfig). Returns the file written."""
     from aiayn.evaluation.bleu import PROTOCOLS, bleu_protocol
 
+    from aiayn.model.kernels import build_record
+
     run = RunDir(run_dir)
     return run.write_generation(
         choice.paths, dataclasses.replace(decode, alpha=choice.alpha), precision=precision,
+        machine=build_record(),  # what decides int8's numbers here (docs/hardware.md)
         weights=str(choice.weights),
         averaged=[str(p.relative_to(run.path)) for p in choice.found],
         valid_bleu=choice.valid_bleu.get(str(choice.alpha)),

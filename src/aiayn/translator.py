@@ -166,9 +166,18 @@ class Translator:
         dev = choose_device(device)
         loaded = load_pretrained(path, dev, warn or logger.warning)
         # the loader's config carries the run's chosen search settings and its precision
+        if precision is None:
+            precision = loaded.precision
+        record = loaded.record
+        if record.get("machine") and dev.type == "cpu":  # the kernels' facts at the run
+            from aiayn.model.kernels import machine_differs
+
+            differs = machine_differs(record["machine"], int8=precision == "int8")
+            if differs:
+                (warn or logger.warning)(f"{path}: decoding on another machine than the run's "
+                                         f"({differs}): a few lines may differ from its output")
         return cls(loaded.models, loaded.vocab, config=loaded.config,
-                   decode=loaded.config.decode, device=dev,
-                   precision=loaded.precision if precision is None else precision,
+                   decode=loaded.config.decode, device=dev, precision=precision,
                    source=loaded.sources, warn=warn, workers=workers, shortlist=shortlist)
 
     # --- what it decodes with ---------------------------------------------------------------

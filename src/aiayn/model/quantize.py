@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn.errors import ConfigError
 from aiayn.model import kernels
+from aiayn.model.kernels import weight_levels
 from aiayn.model.fused import FusedInt8Encoder, FusedInt8Step
 from aiayn.model.transformer import DecoderLayer, EncoderLayer, PositionwiseFeedForward
 
@@ -52,22 +55,6 @@ def _quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
     (int8 (..., k), float32 scales (..., 1))."""
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(float(levels))
     return torch.round(x / scale).to(torch.int8), scale
-
-
-@functools.cache
-def weight_levels() -> int:
-    """127, or 63 where this CPU's int8 product is not exact at full range.
-
-    Without VNNI (the AVX2 class), oneDNN multiplies int8 pairs with ``vpmaddubsw``, whose
-    int16 sums of two products saturate: full-range weights then give wrong sums (seen on the
-    simulated AVX2 class: errors of 10^5 on random int8 matrices). Weights of 7 bits,
-    [-63, 63], keep every pair sum within int16 whatever the activations, as fbgemm's
-    ``reduce_range`` does. Decided by one exactness probe, not by the CPU's name."""
-    a = torch.full((32, 64), 127, dtype=torch.int8)
-    b = torch.full((64, 32), 127, dtype=torch.int8)
-    exact = torch.equal(torch._int_mm(a, b), torch.full((32, 32), 64 * 127 * 127,
-                                                          dtype=torch.int32))
-    return 127 if exact else 63
 
 
 def _fastest(calls: list, runs: int = 5) -> list[float]:
@@ -221,10 +208,7 @@ def u8s8_variant() -> str | None:
     (:func:`aiayn.model.kernels.u8s8_variants`) that sums this machine's int8 weights
     (:func:`weight_levels`) exactly: "vnni" (AVX-512 VNNI, any int8 weight), "avx2" (7-bit
     weights only, which is what a CPU without VNNI stores), or None."""
-    for variant in kernels.u8s8_variants():
-        if weight_levels() <= kernels.U8S8_VARIANTS[variant][2]:
-            return variant
-    return None
+    return kernels.u8s8_variant(weight_levels())
 
 
 def _pack_u8s8(w8: Tensor) -> tuple:
@@ -253,10 +237,9 @@ def weight_u8s8_rows(in_features: int, out_features: int) -> int:
     if variant is None:
         return 0
     w, wt, xs = _probe_operands(in_features, out_features, FBGEMM_PROBE_ROWS)
-    packed = kernels.pack_u8s8(w, variant)
-    for x in xs:
-        if not torch.equal(kernels.u8s8_product(x, *packed), torch._int_mm(x, wt)):
-            return 0
+    packed = _exact_u8s8(w, wt, xs, variant)
+    if packed is None:
+        return 0
     fbgemm = weight_fbgemm_rows(in_features, out_features)
     fb = _pack_fbgemm(w) if fbgemm else None
     threads = torch.get_num_threads()
@@ -269,19 +252,122 @@ def weight_u8s8_rows(in_features: int, out_features: int) -> int:
         torch.set_num_threads(threads)
 
 
-def weight_packing(in_features: int, out_features: int) -> str | None:
-    """How an int8 map of this shape runs its product here, by measurement: "u8s8"
-    (:func:`weight_u8s8_rows`: aiayn's kernel, up to that many rows on one thread;
-    ``torch._int_mm`` above), "fbgemm" (:func:`weight_fbgemm_rows`: likewise), "onednn"
-    (:func:`weight_packed_faster`), or None (``torch._int_mm`` over the weight as stored).
-    All four give the same exact sums."""
-    if weight_u8s8_rows(in_features, out_features):
-        return "u8s8"
-    if weight_fbgemm_rows(in_features, out_features):
-        return "fbgemm"
-    if weight_packed_faster(in_features, out_features):
-        return "onednn"
-    return None
+def _exact_u8s8(w: Tensor, wt: Tensor, xs: list[Tensor], variant: str) -> tuple | None:
+    """``w`` packed for aiayn's u8 x s8 product in ``variant``, where that product gives
+    ``torch._int_mm``'s sums on every probe input of ``xs``; None, with one warning, where
+    the kernel fails to compile or its sums differ (a bug: the map then takes torch's
+    products)."""
+    packed = kernels.pack_u8s8(w, variant)
+    try:
+        for x in xs:
+            if not torch.equal(kernels.u8s8_product(x, *packed), torch._int_mm(x, wt)):
+                kernels.log.warning("the u8s8 product (%s) is not exact for "
+                                    "a %d x %d weight; torch's products run it", variant,
+                                    *w.shape)
+                return None
+    except Exception as error:  # noqa: BLE001 - a compile failure at first use
+        kernels.log.warning("the u8s8 product (%s) failed to compile (%s: %s); "
+                            "torch's products run its maps", variant, type(error).__name__,
+                            (str(error).strip().splitlines() or [""])[0])
+        return None
+    return packed
+
+
+#: the product paths of an int8 map: ``torch._int_mm`` over the weight as stored, oneDNN's
+#: and FBGEMM's int8 linear and aiayn's u8 x s8 kernel over a weight packed once. All give
+#: the same exact sums, so which runs changes time, never a number.
+PRODUCT_PATHS = ("int_mm", "onednn", "fbgemm", "u8s8")
+#: the environment variable that forces one product path for every map and row count
+FORCE_PRODUCT = "AIAYN_INT8_PRODUCT"
+_EVERY = 1 << 62  # "at every row count" in a plan
+
+
+def forced_product() -> str | None:
+    """``AIAYN_INT8_PRODUCT``'s path (one of :data:`PRODUCT_PATHS`), or None where unset.
+
+    Raises:
+        ConfigError: a value that names no path.
+    """
+    value = os.environ.get(FORCE_PRODUCT, "").strip().lower()
+    if not value:
+        return None
+    if value not in PRODUCT_PATHS:
+        raise ConfigError(f"{FORCE_PRODUCT}={value}: not an int8 product path; use one of "
+                          f"{', '.join(PRODUCT_PATHS)}")
+    return value
+
+
+def _forced_plan(path: str, in_features: int, out_features: int) -> tuple | None:
+    """The plan of a map under ``AIAYN_INT8_PRODUCT=path``: that path at every row count,
+    once its sums are checked exact on this shape's probe inputs.
+
+    Raises:
+        ConfigError: the path cannot run here (its op or variant is missing) or is not
+            exact here (one line naming the variable, the path and the shape).
+    """
+    if path == "int_mm":
+        return None
+    w, wt, xs = _probe_operands(in_features, out_features, FBGEMM_PROBE_ROWS)
+    where = f"{FORCE_PRODUCT}={path} ({in_features} x {out_features} weight)"
+    if path == "u8s8":
+        variant = u8s8_variant()
+        if variant is None:
+            raise ConfigError(f"{where}: no variant of aiayn's u8s8 kernel runs here "
+                              "(numba missing, off x86-64, or no AVX2)")
+        if _exact_u8s8(w, wt, xs, variant) is None:
+            raise ConfigError(f"{where}: the u8s8 kernel does not give exact sums here")
+        return ((_EVERY, path),)
+    try:
+        packed = _PACK[path](w)
+        product = _packed_product if path == "onednn" else _fbgemm_product
+        args = packed if path == "onednn" else (packed,)
+        exact = all(torch.equal(product(x, *args), torch._int_mm(x, wt).float()) for x in xs)
+    except (AttributeError, RuntimeError) as error:
+        raise ConfigError(f"{where}: this torch cannot run it ({error})") from None
+    if not exact:
+        raise ConfigError(f"{where}: its sums are not exact on this CPU")
+    return ((_EVERY, path),)
+
+
+def weight_packing(in_features: int, out_features: int) -> tuple | None:
+    """How an int8 map of this shape runs its product here: a plan ``((rows, path), ...)``,
+    row limits ascending, each product taking the first path whose limit its row count does
+    not exceed; or None (``torch._int_mm`` over the weight as stored, at every row count).
+
+    By measurement, every path that wins at some row count is kept: "u8s8" up to
+    :func:`weight_u8s8_rows` (aiayn's kernel, on one thread), then "fbgemm" up to
+    :func:`weight_fbgemm_rows` where that reaches further, then "onednn" where
+    :func:`weight_packed_faster` says so, else ``"int_mm"``, above. ``AIAYN_INT8_PRODUCT``
+    forces one path at every row count (:func:`forced_product`). All paths give the same
+    exact sums."""
+    forced = forced_product()
+    if forced is not None:
+        return _forced_plan(forced, in_features, out_features)
+    plan: list[tuple[int, str]] = []
+    u8s8 = weight_u8s8_rows(in_features, out_features)
+    if u8s8:
+        plan.append((u8s8, "u8s8"))
+    if u8s8 < _EVERY:
+        fbgemm = weight_fbgemm_rows(in_features, out_features)
+        if fbgemm > u8s8:
+            plan.append((fbgemm, "fbgemm"))
+        if fbgemm < _EVERY:
+            above = "onednn" if weight_packed_faster(in_features, out_features) else "int_mm"
+            plan.append((_EVERY, above))
+    return None if plan in ([], [(_EVERY, "int_mm")]) else tuple(plan)
+
+
+def describe_plan(plan: tuple | None) -> str:
+    """A plan of :func:`weight_packing` in words, e.g. "u8s8 up to 32 rows, fbgemm up to
+    128, int_mm above" (the u8s8 variant named)."""
+    if plan is None:
+        return "int_mm at every row count"
+    words = []
+    for rows, path in plan:
+        name = f"u8s8 ({u8s8_variant()})" if path == "u8s8" else path
+        words.append(f"{name} at every row count" if rows >= _EVERY and not words
+                     else f"{name} above" if rows >= _EVERY else f"{name} up to {rows} rows")
+    return ", ".join(words)
 
 
 # packing -> its packer
@@ -360,28 +446,37 @@ class Int8Linear(nn.Module):
         self._set_packing(weight_packing(self.in_features, self.out_features)
                           if w8.device.type == "cpu" else None)
 
-    def _set_packing(self, kind: str | None, rows: int | None = None) -> None:
-        """Run the product over a weight packed now for ``kind`` ("onednn", "fbgemm", "u8s8":
-        :func:`weight_packing`), or through ``torch._int_mm`` (None). FBGEMM's and aiayn's
-        u8s8 kernel run products of up to ``rows`` rows (default :func:`weight_fbgemm_rows`'s
-        or :func:`weight_u8s8_rows`'s), ``torch._int_mm`` the larger ones."""
-        self.packing = kind
-        self._packed = None if kind is None else _PACK[kind](self.weight_int8)
-        probe = {"fbgemm": weight_fbgemm_rows, "u8s8": weight_u8s8_rows}.get(kind)
-        if probe is not None and rows is None:
-            rows = probe(self.in_features, self.out_features)
-        self.packed_rows = rows if probe is not None else 0
+    def _set_packing(self, plan, rows: int | None = None) -> None:
+        """Run the products by ``plan``: :func:`weight_packing`'s ``((rows, path), ...)``, None
+        (``torch._int_mm`` at every row count), or one packed path's name ("onednn",
+        "fbgemm", "u8s8") for products of up to ``rows`` rows (default: every row count),
+        ``torch._int_mm`` above. The weight is packed now for every path of the plan."""
+        if isinstance(plan, str):
+            plan = ((_EVERY, plan),) if rows is None else ((rows, plan), (_EVERY, "int_mm"))
+        self.plan = plan
+        # under AIAYN_INT8_PRODUCT=u8s8 the kernel runs at any torch thread count
+        self._u8s8_any_threads = plan is not None and forced_product() == "u8s8"
+        self._packs = {path: _PACK[path](self.weight_int8) for _, path in plan or ()
+                       if path != "int_mm"}
+        kernels.log.info("int8 map %d -> %d: %s", self.in_features, self.out_features,
+                         describe_plan(plan))
+
+    @property
+    def packing(self) -> str | None:
+        """The packed paths of :attr:`plan`, joined by "+" ("u8s8+fbgemm"), or None."""
+        paths = [path for _, path in self.plan or () if path != "int_mm"]
+        return "+".join(paths) if paths else None
 
     @property
     def packed(self) -> bool:
-        """Whether the product runs over a weight packed once (:attr:`packing` is set)."""
+        """Whether some products run over a weight packed once (:attr:`packing` is set)."""
         return self.packing is not None
 
     def __getstate__(self) -> dict:
-        # the packed weight is an opaque oneDNN tensor or FBGEMM object, which neither copies
+        # a packed weight is an opaque oneDNN tensor or FBGEMM object, which neither copies
         # nor pickles: a copy packs its own at its first product (aiayn's u8s8 arrays too)
         state = self.__dict__.copy()
-        state["_packed"] = None
+        state["_packs"] = {}
         state["_numpy"] = None  # views of this module's buffers, not of the copy's
         return state
 
@@ -412,18 +507,27 @@ class Int8Linear(nn.Module):
         return out
 
     def _product(self, x8: Tensor) -> Tensor:
-        """The exact sums ``x8 @ W8^T`` (rows, out): int32, or float32 over a packed weight."""
-        kind = self.packing
-        if kind is not None and x8.device.type == "cpu":
-            if self._packed is None:  # a copy's (__getstate__)
-                self._packed = _PACK[kind](self.weight_int8)
-            if kind == "onednn":
-                return _packed_product(x8, *self._packed)  # (rows, out) float32, exact sums
-            if x8.shape[0] <= self.packed_rows:
+        """The exact sums ``x8 @ W8^T`` (rows, out): int32, or float32 from oneDNN and FBGEMM,
+        by the first path of :attr:`plan` whose row limit holds ``x8``'s rows (aiayn's u8s8
+        kernel only on one torch thread, as measured: else the next path)."""
+        plan = self.plan
+        if plan is not None and x8.device.type == "cpu":
+            m = x8.shape[0]
+            for rows, kind in plan:
+                if m <= rows and (kind != "u8s8" or self._u8s8_any_threads
+                                  or torch.get_num_threads() == 1):
+                    break
+            else:  # the u8s8 kernel's rows at more than one thread
+                kind = "int_mm"
+            if kind != "int_mm":
+                packed = self._packs.get(kind)
+                if packed is None:  # a copy's (__getstate__)
+                    packed = self._packs[kind] = _PACK[kind](self.weight_int8)
+                if kind == "u8s8":
+                    return kernels.u8s8_product(x8, *packed)  # (rows, out) int32, exact
                 if kind == "fbgemm":
-                    return _fbgemm_product(x8, self._packed)  # (rows, out) float32, exact sums
-                if torch.get_num_threads() == 1:  # the kernel's one thread, as measured
-                    return kernels.u8s8_product(x8, *self._packed)  # (rows, out) int32, exact
+                    return _fbgemm_product(x8, packed)  # (rows, out) float32, exact sums
+                return _packed_product(x8, *packed)  # oneDNN: (rows, out) float32, exact sums
         # (the buffer from its dict: nn.Module's __getattr__ is a Python call, every product)
         return torch._int_mm(x8, self._buffers["weight_int8"].t())  # (rows, out) int32, exact
 
