@@ -1,14 +1,19 @@
 """What training needs across processes (``torchrun``): where this process stands, joining the
-process group, sums over processes, the main process's decisions shared with all, one
-precision for all, and every process's RNG state for exact resumption. With one process every
-function here is a no-op or a local computation."""
+process group, the check that every node sees one run folder, the DDP wrapper, sums over
+processes, the main process's decisions shared with all, one precision for all, and every
+process's RNG state for exact resumption. With one process every function here is a no-op or a
+local computation."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
+import secrets
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,15 +30,24 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1  # processes on this machine (torchrun's LOCAL_WORLD_SIZE)
+    node: int = 0  # this machine among the others (torchrun's GROUP_RANK)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def nodes(self) -> int:
+        """Machines in the run (torchrun starts as many processes on each)."""
+        return max(1, self.world_size // max(1, self.local_world_size))
+
     @classmethod
     def from_env(cls) -> DistInfo:
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                   int(os.environ.get("LOCAL_RANK", 0)))
+        env = os.environ
+        world = int(env.get("WORLD_SIZE", 1))
+        return cls(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)),
+                   int(env.get("LOCAL_WORLD_SIZE", world)), int(env.get("GROUP_RANK", 0)))
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -79,6 +93,109 @@ def init_distributed(device: torch.device, backend: str = "auto",
             torch.cuda.set_device(device)  # NCCL and object collectives use the current device
         dist.init_process_group(backend=chosen, timeout=datetime.timedelta(seconds=timeout_s))
     return info
+
+
+NODE_MARKERS = ".aiayn-nodes"  # in the run folder, only while the check runs
+
+
+def check_shared_run_dir(run_dir: str | Path, info: DistInfo) -> None:
+    """Check that every node sees one ``run_dir`` (a shared filesystem), before anything is
+    written there: the main process restores and writes the checkpoints for all, and every
+    process resumes from them. A collective: every process calls it; a no-op on one node.
+
+    The first process of each node writes a marker (a random name) in
+    ``run_dir/.aiayn-nodes``; after a barrier each of them looks for every node's marker, and
+    all stop together, with one line, when one is missing. The markers are removed again (the
+    folder too, and ``run_dir`` when the check created it and it is still empty).
+
+    Raises:
+        UserError: a node does not see another's marker, or cannot write in ``run_dir``
+            (naming the nodes, their host names and ``run_dir``).
+    """
+    if info.nodes == 1 or not dist.is_initialized():
+        return
+    run_dir = Path(run_dir)
+    folder = run_dir / NODE_MARKERS
+    created = not run_dir.exists()
+    host = socket.gethostname()
+    marker, problem = f"node-{info.node}-{secrets.token_hex(8)}", ""
+    if info.local_rank == 0:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / marker).write_text(host, encoding="utf-8")
+        except OSError as err:
+            problem = f"node {info.node} ({host}) cannot write in {run_dir}: {err}"
+    everyone: list[Any] = [None] * info.world_size
+    dist.all_gather_object(everyone, (info.local_rank, info.node, host, marker, problem))
+    firsts = [(node, their_host, name) for local, node, their_host, name, _ in everyone
+              if local == 0]
+    problems = [p for *_, p in everyone if p]
+    if info.local_rank == 0 and not problems:
+        seen = set(os.listdir(folder)) if folder.is_dir() else set()
+        lost = [f"node {node} ({their_host})" for node, their_host, name in firsts
+                if name not in seen]
+        if lost:
+            problem = (f"--run-dir {run_dir} is not shared by the nodes: node {info.node} "
+                       f"({host}) does not see what {', '.join(lost)} wrote there; every node "
+                       "must see the one run folder (put it on a shared filesystem: NFS, "
+                       "Lustre, ...)")
+    verdicts: list[Any] = [None] * info.world_size
+    dist.all_gather_object(verdicts, problem)
+    if info.local_rank == 0:
+        (folder / marker).unlink(missing_ok=True)
+    dist.barrier()  # every marker read and removed before the folder goes
+    if info.local_rank == 0:
+        with contextlib.suppress(OSError):  # another node's copy of a shared folder went first
+            folder.rmdir()
+            if created and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+    dist.barrier()  # nothing is removed once any process goes on
+    problems += [v for v in verdicts if v]
+    if problems:
+        raise UserError(problems[0])
+
+
+def _trained_buffers(model: torch.nn.Module) -> bool:
+    """Whether training changes some buffer of ``model``: running statistics of normalization
+    layers (the Transformer has none)."""
+    return any(getattr(m, "track_running_stats", False) for m in model.modules())
+
+
+def data_parallel(model: torch.nn.Module, device: torch.device,
+                  tc: Any) -> torch.nn.parallel.DistributedDataParallel:
+    """``model`` wrapped in DistributedDataParallel for this run (``tc``: its
+    :class:`~aiayn.config.TrainConfig`), the one place DDP is built.
+
+    - Buffers are broadcast from rank 0 before every forward only when training changes them
+      (running statistics of normalization layers). The Transformer has none: its buffers
+      (the sinusoid table of §3.5, the output-vocabulary bias) are set before training and
+      equal on every process from DDP's start, so nothing is broadcast.
+    - Gradients are all-reduced in buckets of ``tc.ddp_bucket_mb`` MiB (torch's default 25),
+      overlapping the backward.
+    - ``tc.ddp_compression = "bf16"`` sends the gradients as bf16
+      (``bf16_compress_hook``): half the bytes, at bf16's 8-bit mantissa in the sum.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model,
+                                  device_ids=[device.index] if device.type == "cuda" else None,
+                                  broadcast_buffers=_trained_buffers(model),
+                                  bucket_cap_mb=tc.ddp_bucket_mb)
+    if tc.ddp_compression == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
+
+
+def describe_data_parallel(model: torch.nn.Module, tc: Any) -> str:
+    """One line for the run's start: how DDP shares the gradients and buffers
+    (:func:`data_parallel`)."""
+    buffers = ("buffers broadcast every forward (running statistics)" if _trained_buffers(model)
+               else "buffers not broadcast (constant during training)")
+    sent = "compressed to bf16" if tc.ddp_compression == "bf16" else "uncompressed"
+    return (f"DDP: gradients all-reduced {sent} in buckets of {tc.ddp_bucket_mb:g} MiB, "
+            f"{buffers}")
 
 
 def sum_over_processes(values: list[float], info: DistInfo, device: torch.device) -> list[float]:
