@@ -166,25 +166,40 @@ def data_parallel(model: torch.nn.Module, device: torch.device,
     """``model`` wrapped in DistributedDataParallel for this run (``tc``: its
     :class:`~aiayn.config.TrainConfig`), the one place DDP is built.
 
-    - Buffers are broadcast from rank 0 before every forward only when training changes them
+    - Buffers are sent from rank 0 before every forward only when training changes them
       (running statistics of normalization layers). The Transformer has none: its buffers
-      (the sinusoid table of §3.5, the output-vocabulary bias) are set before training and
-      equal on every process from DDP's start, so nothing is broadcast.
+      (the sinusoid table of §3.5, the output-vocabulary bias) are set before training, the
+      same on every process (computed from the config and the training data all read), so
+      nothing is sent.
     - Gradients are all-reduced in buckets of ``tc.ddp_bucket_mb`` MiB (torch's default 25),
       overlapping the backward.
-    - ``tc.ddp_compression = "bf16"`` sends the gradients as bf16
-      (``bf16_compress_hook``): half the bytes, at bf16's 8-bit mantissa in the sum.
+    - ``tc.ddp_compression = "bf16"`` sends them as bf16 (torch's ``bf16_compress_hook``):
+      half the bytes, at bf16's 8-bit mantissa in the sum.
+
+    Raises:
+        UserError: bf16 compression on a build of torch without CUDA and NCCL 2.10+ (torch
+            refuses the hook there).
     """
+    import inspect
+
     from torch.nn.parallel import DistributedDataParallel
 
+    sync = _trained_buffers(model)
+    # torch 2.13 renamed the per-forward part of broadcast_buffers (the start's sync stays)
+    buffers = ({"forward_sync_buffers": sync}
+               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+               else {"broadcast_buffers": sync})
     ddp = DistributedDataParallel(model,
                                   device_ids=[device.index] if device.type == "cuda" else None,
-                                  broadcast_buffers=_trained_buffers(model),
-                                  bucket_cap_mb=tc.ddp_bucket_mb)
+                                  bucket_cap_mb=tc.ddp_bucket_mb, **buffers)
     if tc.ddp_compression == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        try:
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        except TypeError as err:
+            raise UserError(f"train.ddp_compression = 'bf16': {err} (torch's bf16_compress_hook); "
+                            "set train.ddp_compression=none") from None
     return ddp
 
 
