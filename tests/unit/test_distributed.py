@@ -23,6 +23,7 @@ from aiayn.training.distributed import (
     describe_data_parallel,
     init_distributed,
     resolve_backend,
+    restart_warning,
 )
 from aiayn.training.run import keep_global_batch, resolve_resume
 from aiayn.training.stream import global_batch_index, local_batch_index
@@ -166,3 +167,17 @@ def test_ddp_sends_no_constant_buffer_and_states_its_bucket(tmp_path: Path) -> N
 def _syncs_buffers(ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
     """Whether ``ddp`` sends buffers before every forward (named so since torch 2.13)."""
     return bool(getattr(ddp, "forward_sync_buffers", ddp.broadcast_buffers))
+
+
+def test_a_warning_when_restarts_meet_a_shared_c10d_store(monkeypatch) -> None:
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # the static rendezvous: not affected
+    assert restart_warning() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_warning()
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert restart_warning() is None
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    assert restart_warning() is None

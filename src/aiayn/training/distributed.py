@@ -95,6 +95,24 @@ def init_distributed(device: torch.device, backend: str = "auto",
     return info
 
 
+def restart_warning() -> str | None:
+    """A line for the run's start when ``torchrun --max-restarts`` meets a c10d rendezvous
+    whose store the workers share with the agent (torch's default since 2.5): a restarted
+    group then reads the dead group's addresses and fails to connect (gloo's "connectFullMesh
+    failed ... Connection refused", NCCL's "connect returned Connection refused"; pytorch
+    issues 135712 and 167288, still so in torch 2.13). ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    in torchrun's environment gives each attempt a store of its own; the static rendezvous
+    (``--master-addr``/``--master-port``, run id "none") is not affected."""
+    env = os.environ
+    if (int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) > 0
+            and env.get("TORCHELASTIC_RUN_ID", "none") != "none"
+            and env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1"):
+        return ("warning: torchrun --max-restarts with a c10d rendezvous: a restart fails to "
+                "connect unless torchrun runs with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch "
+                "issue 135712); export it before torchrun")
+    return None
+
+
 NODE_MARKERS = ".aiayn-nodes"  # in the run folder, only while the check runs
 
 

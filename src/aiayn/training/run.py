@@ -21,7 +21,12 @@ from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
 from aiayn.errors import UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
 from aiayn.rundir import METRICS, RunDir
-from aiayn.training.distributed import check_shared_run_dir, describe_data_parallel, main_decides
+from aiayn.training.distributed import (
+    check_shared_run_dir,
+    describe_data_parallel,
+    main_decides,
+    restart_warning,
+)
 from aiayn.training.loop import DistInfo, Trainer, init_distributed
 from aiayn.training.update import check_same_update
 
@@ -437,6 +442,8 @@ def run_training(
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
             f"run dir {run_dir}")
         log(f"aiayn train: {describe_global_batch(config, info.world_size)}")
+        if restart_warning():
+            log(f"aiayn train: {restart_warning()}")
         if info.world_size > 1:
             log(f"aiayn train: {describe_data_parallel(trainer.learner.compute_model, config.train)}")
         log(f"aiayn train: {trainer.precision.describe()}")
