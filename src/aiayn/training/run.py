@@ -409,8 +409,8 @@ def run_training(
                                    log if info.is_main else _quiet)
         vocab = Vocabulary.load(run_dir)
     elif list_checkpoints(run_dir):
-        raise UserError(f"{run_dir} already holds checkpoints: add --resume (or --resume "
-                        "auto) to continue that run, or choose another --run-dir")
+        raise UserError(f"{run_dir} already holds checkpoints: add --resume to continue that "
+                        "run, or choose another --run-dir")
     assert config is not None
     start_model = None
     if init_from is not None and not resume:
