@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(data.preprocess) and decode settings are kept, dropout, data and "
                         "training come from --preset/--config/--set")
     p.add_argument("--resume", nargs="?", const="yes", default=None, choices=("yes", "auto"),
+                   metavar="auto",
                    help="continue the run in --run-dir from its newest checkpoint; --resume "
                         "auto: that when it holds one, else start afresh from --preset/--config "
                         "(one command for torchrun --max-restarts and requeued jobs; the "
