@@ -351,3 +351,29 @@ def test_a_resume_on_fewer_processes_keeps_the_global_batch(tmp_path: Path) -> N
     assert sorted(resumed) == sorted(uninterrupted) == list(range(1, STEPS + 1))
     for step, loss in uninterrupted.items():
         assert resumed[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_resume_auto_starts_afresh_then_continues(tmp_path: Path) -> None:
+    """One process, in this one: ``--resume auto`` over a folder an attempt left without a
+    checkpoint (its metrics lines go), then over the finished run (it continues)."""
+    from aiayn.training.run import run_training
+
+    cfg, _ = _task(tmp_path)
+    cfg = cfg.replace(train=replace(cfg.train, max_steps=2, checkpoint_every_steps=2))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 99.0})
+                                       + "\n")
+    lines: list[str] = []
+    run_training(cfg, run, vocab_path=tmp_path / "vocab", resume="auto", progress=False,
+                 log=lines.append)
+    assert any("--resume auto: no checkpoint in" in line for line in lines), lines
+    assert any("1 metrics.jsonl line(s) of an attempt" in line for line in lines), lines
+    first = train_losses(run)
+    assert sorted(first) == [1, 2] and first[1] != 99.0
+    lines.clear()
+    run_training(cfg, run, vocab_path=tmp_path / "vocab", resume="auto", progress=False,
+                 overrides=["train.max_steps=4"], log=lines.append)
+    assert any("resumed from" in line and "(step 2)" in line for line in lines), lines
+    again = train_losses(run)
+    assert sorted(again) == [1, 2, 3, 4] and again[1] == first[1]

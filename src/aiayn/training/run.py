@@ -428,6 +428,8 @@ def run_training(
     trainer = Trainer(config, run_dir, vocab, train, valid_corpus, valid_enc, dev,
                       progress=progress, train_text=train_text, model=start_model,
                       resume_from=resume_from)
+    if auto and not resume:  # an attempt killed before its first checkpoint logged steps
+        trainer.metrics_dropped = trainer.metrics.rewind(0)
     if info.is_main:  # validated and restored: only now is anything written
         run_dir.mkdir(parents=True, exist_ok=True)
         vocab.save(run_dir)
@@ -481,6 +483,9 @@ def run_training(
             dropped = (f"; {trainer.metrics_dropped} {METRICS} line(s) of the steps after "
                        "it dropped, as they are trained again" if trainer.metrics_dropped else "")
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step}){dropped}")
+        elif trainer.metrics_dropped:
+            log(f"aiayn train: {trainer.metrics_dropped} {METRICS} line(s) of an attempt that "
+                "wrote no checkpoint dropped, as its steps are trained again")
     try:
         return trainer.fit()
     finally:
