@@ -24,6 +24,7 @@ from aiayn.training.distributed import (
     init_distributed,
     resolve_backend,
     restart_warning,
+    restore_rng_state,
 )
 from aiayn.training.run import keep_global_batch, resolve_resume
 from aiayn.training.stream import global_batch_index, local_batch_index
@@ -181,3 +182,18 @@ def test_a_warning_when_restarts_meet_a_shared_c10d_store(monkeypatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     assert restart_warning() is None
+
+
+def test_a_rank_the_saved_run_did_not_have_keeps_its_own_rng() -> None:
+    torch.manual_seed(5)
+    saved = {"rng": [{"cpu": torch.get_rng_state()}]}  # a run of one process
+    torch.manual_seed(3007)
+    restore_rng_state(saved, DistInfo(2, 4, 2), torch.device("cpu"))
+    mine = torch.rand(3)
+    torch.manual_seed(3007)
+    assert torch.equal(mine, torch.rand(3))
+    restore_rng_state(saved, DistInfo(0, 4, 0), torch.device("cpu"))
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    restore_rng_state(saved, DistInfo(0, 4, 0), torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected)

@@ -281,8 +281,11 @@ def rng_states(info: DistInfo, device: torch.device) -> list[dict[str, torch.Ten
 
 def restore_rng_state(saved: dict[str, Any], info: DistInfo, device: torch.device) -> None:
     """This process's RNG state from a training state saved by :func:`rng_states` (or, from
-    checkpoints of earlier versions, rank 0's CPU state under ``torch_rng``)."""
+    checkpoints of earlier versions, rank 0's CPU state under ``torch_rng``). A rank the
+    saved run did not have (a resume on more processes) keeps the state it was seeded with."""
     if "rng" in saved:
+        if info.rank >= len(saved["rng"]):
+            return
         mine = saved["rng"][info.rank]
         torch.set_rng_state(mine["cpu"])
         if "cuda" in mine and device.type == "cuda":
