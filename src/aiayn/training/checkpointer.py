@@ -51,9 +51,9 @@ class Checkpointer:
     def save(self, learner: Learner, reason: str = "periodic") -> Path | None:
         """Write ``checkpoints/step-N`` of ``learner`` (weights and its
         :meth:`~aiayn.training.update.Learner.state_dict`; the meta records step, epoch,
-        reason, precision, processes and batches an update) and prune to ``keep_last``. Weights that are not all finite are
-        never written (returns None then, and on other processes). Every process must call it
-        (the RNG states are gathered).
+        reason, precision, processes and batches an update) and prune to ``keep_last``.
+        Weights that are not all finite are never written (returns None then, and on other
+        processes). Every process must call it (the RNG states are gathered).
 
         Raises:
             OSError: the write failed (full disk, permissions); earlier checkpoints stay.

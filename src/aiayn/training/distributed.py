@@ -253,6 +253,15 @@ def main_decides(info: DistInfo, device: torch.device, elapsed_s: float,
     return got[0], tuple(bool(f) for f in got[1:])
 
 
+def main_choice(value: str, info: DistInfo) -> str:
+    """The main process's ``value``, for every process (a collective; one broadcast)."""
+    if info.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def agree_precision(mine: Precision, info: DistInfo, device: torch.device) -> Precision:
     """One precision for every process: each measured its own CPU, and bf16 is used only if
     every one chose it (a rank that found bf16 slower makes them all fp32)."""

@@ -24,7 +24,7 @@ from aiayn.rundir import METRICS, RunDir
 from aiayn.training.distributed import (
     check_shared_run_dir,
     describe_data_parallel,
-    main_decides,
+    main_choice,
     restart_warning,
 )
 from aiayn.training.loop import DistInfo, Trainer, init_distributed
@@ -298,6 +298,30 @@ def resolve_resume(resume: bool | str, config: Config | None, run_dir: Path) -> 
     return False
 
 
+def visible_checkpoint(run_dir: Path, name: str, info: DistInfo,
+                       wait_s: float = 60.0) -> Path:
+    """``run_dir``'s checkpoint ``name`` (the main process's newest), once this process sees
+    it complete: a shared filesystem may show another node a new folder some seconds late.
+
+    Raises:
+        UserError: still not seen after ``wait_s`` seconds (naming the node and the folder).
+    """
+    import socket
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = {p.name: p for p in list_checkpoints(run_dir)}
+        if name in found:
+            return found[name]
+        if time.monotonic() > deadline:
+            raise UserError(f"{RunDir(run_dir).checkpoints / name}: the main process resumes "
+                            f"from it, but node {info.node} ({socket.gethostname()}) does not "
+                            f"see it after {wait_s:.0f} s; every node must see the one run "
+                            "folder (a shared filesystem)")
+        time.sleep(1.0)
+
+
 def keep_global_batch(config: Config, checkpoint: Path, world_size: int, log: Any) -> Config:
     """``config`` for resuming ``checkpoint`` on ``world_size`` processes: when the number of
     processes changed, ``train.accum_steps`` chosen so that an update holds the checkpoint's
@@ -370,7 +394,8 @@ def run_training(
     auto = resolve_resume(resume, config, run_dir) == "auto"
     if auto:  # decided again, by the main process, once the run folder is recovered
         resume = bool(list_checkpoints(run_dir))
-    if config is not None and not resume:  # a global batch that cannot be shared out fails before any work
+    if config is not None and not resume:  # a global batch that cannot be shared out fails
+        # before any work
         batch_tokens_per_process(config.data, info.world_size, config.train.accum_steps)
     early_text = early_vocab = None
     if (info.world_size > 1 and not resume and init_from is None and not vocab_path
@@ -390,17 +415,20 @@ def run_training(
             log(f"aiayn train: {line}")
     if info.world_size > 1:
         dist.barrier()
+    # the main process's newest checkpoint, for all: another node's view of a shared folder
+    # can lag behind (NFS caches directory listings), and every process must resume one step
+    found = list_checkpoints(run_dir)
+    newest = main_choice(found[-1].name if found else "", info)
     if auto:
-        _, (resume,) = main_decides(info, dev, 0.0, bool(list_checkpoints(run_dir)))
+        resume = bool(newest)
         if info.is_main and not resume:
             log(f"aiayn train: --resume auto: no checkpoint in {run_dir}, starting afresh")
     resume_from = None
     vocab = None
     if resume:
-        found = list_checkpoints(run_dir)
-        if not found:
+        if not newest:
             raise UserError(f"--resume: no checkpoint in {RunDir(run_dir).checkpoints}")
-        resume_from = found[-1]
+        resume_from = visible_checkpoint(run_dir, newest, info)
         saved = Config.from_dict(read_json_object(RunDir(run_dir).config),
                                  source=str(RunDir(run_dir).config))
         config = saved.with_overrides(overrides) if overrides else saved  # e.g. more steps
@@ -408,7 +436,7 @@ def run_training(
         config = keep_global_batch(config, resume_from, info.world_size,
                                    log if info.is_main else _quiet)
         vocab = Vocabulary.load(run_dir)
-    elif list_checkpoints(run_dir):
+    elif newest:
         raise UserError(f"{run_dir} already holds checkpoints: add --resume to continue that "
                         "run, or choose another --run-dir")
     assert config is not None
@@ -447,7 +475,8 @@ def run_training(
         if restart_warning():
             log(f"aiayn train: {restart_warning()}")
         if info.world_size > 1:
-            log(f"aiayn train: {describe_data_parallel(trainer.learner.compute_model, config.train)}")
+            ddp = describe_data_parallel(trainer.learner.compute_model, config.train)
+            log(f"aiayn train: {ddp}")
         log(f"aiayn train: {trainer.precision.describe()}")
         if config.model.output_vocab == "target":  # the bias limit_output_vocab set
             bias = trainer.model.final_logits_bias
