@@ -33,6 +33,8 @@ RAW_TEXT, PROTOCOL_TEXT = "none", "lc-norm-tok"
 PREPROCESS_MODES = (RAW_TEXT, PROTOCOL_TEXT)
 TRAIN_PRECISIONS = ("auto", "fp32", "bf16", "bf16-weights", "fp16")  # aiayn.precision
 DIST_BACKENDS = ("auto", "nccl", "gloo")  # aiayn.training.distributed.init_distributed
+DDP_COMPRESSIONS = ("none", "bf16")  # aiayn.training.distributed.data_parallel
+RESUME_MODES = ("no", "auto")  # aiayn.training.run.run_training
 DECODE_PRECISIONS = ("auto", "fp32", "bf16", "int8")  # aiayn.precision
 # fields that runs of earlier versions wrote into config.json, replaced by train.precision
 _BEFORE_PRECISION = ("train.bf16", "train.bf16_weights")
@@ -288,12 +290,24 @@ class TrainConfig:
     # also lets several processes share one GPU) and how long a collective may wait
     dist_backend: str = "auto"
     dist_timeout_s: float = 1800.0
+    # DDP (aiayn.training.distributed.data_parallel): gradients all-reduced in buckets of this
+    # many MiB (torch's default), sent as they are ("none") or compressed to bf16 ("bf16":
+    # half the bytes, for slow links between nodes)
+    ddp_bucket_mb: float = 25.0
+    ddp_compression: str = "none"
+    # "auto": resume when the run folder holds a checkpoint, else start afresh (one command
+    # for torchrun --max-restarts and a requeued job; the CLI's --resume auto); "no": a run
+    # folder with checkpoints is refused unless --resume is given
+    resume: str = "no"
 
     def __post_init__(self) -> None:
         _check_fields(self)
         _positive(self, "warmup_steps", "lr_scale", "adam_eps", "accum_steps", "max_steps")
         _positive(self, "dist_timeout_s")
         _choice(self, "dist_backend", DIST_BACKENDS)
+        _positive(self, "ddp_bucket_mb")
+        _choice(self, "ddp_compression", DDP_COMPRESSIONS)
+        _choice(self, "resume", RESUME_MODES)
         _positive(self, "keep_last", "eval_every_steps", "max_nonfinite", "log_every_steps")
         _non_negative(self, "clip_norm", "time_budget_s", "checkpoint_every_steps")
         _non_negative(self, "checkpoint_every_s", "eval_bleu_sentences", "weight_decay")

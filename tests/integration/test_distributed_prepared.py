@@ -8,13 +8,21 @@ and 4 processes.
   (1e-5 relative), each update the same 4 batches.
 - A SIGTERM to torchrun mid-epoch, then ``--resume``: the same losses, step for step, as the
   uninterrupted run, and the same final weights.
+- Two torchrun "nodes" of two processes (c10d rendezvous on 127.0.0.1) give the losses of one
+  node of four; two nodes that do not share the run folder stop at once, saying so.
+- A worker killed (SIGKILL) mid-epoch under ``torchrun --max-restarts 1 ... --resume auto``:
+  the job restarts by itself and ends with the uninterrupted run's losses and weights.
+- A run of 4 processes resumed on 2 under ``data.global_max_tokens``: the same global batches,
+  so the losses after the resume are the 4-process run's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,15 +50,22 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _task(tmp_path: Path):
+    """A task config (gloo-sized model) on its training files, and their vocabulary (saved in
+    ``tmp_path/vocab``)."""
+    cfg = task_config(tmp_path, max_steps=STEPS, checkpoint_every_steps=2, lr_scale=1.0)
+    src = Path(cfg.data.train_src).read_text().splitlines()
+    tgt = Path(cfg.data.train_tgt).read_text().splitlines()
+    vocab = Vocabulary.learn(src + tgt, 40)
+    vocab.save(tmp_path / "vocab")
+    return cfg, vocab
+
+
 def _prepared(tmp_path: Path):
     """A task config (gloo-sized model) on a prepared folder of its training files, and the
     vocabulary."""
-    cfg = task_config(tmp_path, max_steps=STEPS, checkpoint_every_steps=2, lr_scale=1.0)
+    cfg, vocab = _task(tmp_path)
     corpus_src, corpus_tgt = cfg.data.train_src, cfg.data.train_tgt
-    src = Path(corpus_src).read_text().splitlines()
-    tgt = Path(corpus_tgt).read_text().splitlines()
-    vocab = Vocabulary.learn(src + tgt, 40)
-    vocab.save(tmp_path / "vocab")
     res = subprocess.run([sys.executable, "-m", "aiayn", "prepare", "--src", corpus_src,
                           "--tgt", corpus_tgt, "--vocab", str(tmp_path / "vocab"), "-o",
                           str(tmp_path / "prepared"), "--max-len", str(cfg.data.max_len),
@@ -65,16 +80,42 @@ def _torchrun(n: int) -> list[str]:
             "--master-port", str(28500 + (os.getpid() * 7 + n) % 1000)]
 
 
-def _train(tmp_path: Path, cfg, world: int, run: str, *extra: str) -> Path:
+def _train_args(tmp_path: Path, cfg, run: str) -> list[str]:
+    """``-m aiayn train`` of ``cfg`` (written beside) into ``tmp_path/run``."""
     config = tmp_path / f"{run}.json"
     config.write_text(cfg.to_json())
-    run_dir = tmp_path / run
-    res = subprocess.run([*_torchrun(world), "-m", "aiayn", "train", "--config", str(config),
-                          "--run-dir", str(run_dir), "--vocab", str(tmp_path / "vocab"),
-                          "--no-progress", "--device", "cpu", *extra],
+    return ["-m", "aiayn", "train", "--config", str(config), "--run-dir", str(tmp_path / run),
+            "--vocab", str(tmp_path / "vocab"), "--no-progress", "--device", "cpu"]
+
+
+def _train(tmp_path: Path, cfg, world: int, run: str, *extra: str) -> Path:
+    res = subprocess.run([*_torchrun(world), *_train_args(tmp_path, cfg, run), *extra],
                          env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    return run_dir
+    return tmp_path / run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nodes(per_node: int, args: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """One torchrun "node" for each of ``args`` (its ``-m aiayn train ...``), all on this
+    machine, meeting through a c10d rendezvous on 127.0.0.1; their results."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes",
+                               str(len(args)), "--nproc-per-node", str(per_node), "--node-rank",
+                               str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               f"127.0.0.1:{port}", "--rdzv-id", "nodes", "--local-addr",
+                               "127.0.0.1", *node_args],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+             for node, node_args in enumerate(args)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in
+            zip(procs, outs)]
 
 
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
@@ -185,3 +226,154 @@ def test_sigterm_mid_epoch_then_resume_continues_the_same_run(tmp_path: Path) ->
     w_whole, w_cut = _weights(whole, steps), _weights(cut, steps)
     for key in w_whole:
         torch.testing.assert_close(w_cut[key], w_whole[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_give_the_losses_of_one_node_of_four(tmp_path: Path) -> None:
+    cfg, _ = _prepared(tmp_path)
+    one = train_losses(_train(tmp_path, cfg, 4, "one"))
+    args = _train_args(tmp_path, cfg, "two")
+    for res in _nodes(2, [args, args]):
+        assert res.returncode == 0, res.stdout
+    two = train_losses(tmp_path / "two")
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
+    for step, loss in one.items():
+        assert two[step] == pytest.approx(loss, rel=1e-5), step
+    assert not (tmp_path / "two" / ".aiayn-nodes").exists()  # the shared-folder check's markers
+
+
+@pytest.mark.slow
+def test_nodes_that_do_not_share_the_run_folder_stop_with_one_line(tmp_path: Path) -> None:
+    """Each "node" is given its own folder as --run-dir, as two machines without a shared
+    filesystem would each see their own disk under one path. Every process stops with the
+    line of the main process's node (which node that is, the rendezvous decides)."""
+    cfg, _ = _task(tmp_path)  # the check comes before the data is read
+    results = _nodes(1, [_train_args(tmp_path, cfg, "node0"), _train_args(tmp_path, cfg, "node1")])
+    lines = set()
+    for res in results:
+        assert res.returncode != 0, res.stdout
+        lines |= {x for x in res.stdout.splitlines() if "is not shared by the nodes" in x}
+        assert "Traceback" not in res.stdout.split("is not shared")[0], res.stdout
+    (line,) = lines  # one line, the same on both nodes
+    assert line.startswith("aiayn train: error: --run-dir ") and "shared filesystem" in line
+    assert any(f"--run-dir {tmp_path / f'node{k}'} is not shared by the nodes: node" in line
+               for k in (0, 1)), line
+    for node in (0, 1):  # nothing left behind: no marker, no run folder the check created
+        assert not (tmp_path / f"node{node}").exists()
+
+
+def _worker(parent: int, rank: int) -> int | None:
+    """The pid of torchrun ``parent``'s worker of global ``rank`` in its first attempt."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = dict(item.split("=", 1) for item in
+                       (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in item)
+        except (OSError, IndexError, ValueError):
+            continue  # gone, or not ours
+        if ppid == parent and env.get("RANK") == str(rank) \
+                and env.get("TORCHELASTIC_RESTART_COUNT") == "0":
+            return int(entry.name)
+    return None
+
+
+@pytest.mark.slow
+def test_a_killed_worker_restarts_the_job_which_ends_as_the_uninterrupted_run(
+        tmp_path: Path) -> None:
+    cfg, _ = _prepared(tmp_path)
+    steps = 30
+    cfg = cfg.replace(train=replace(cfg.train, max_steps=steps, checkpoint_every_steps=2))
+    whole = _train(tmp_path, cfg, 2, "whole", "--resume", "auto")  # auto in an empty folder
+    cut = tmp_path / "cut"
+    log = tmp_path / "cut.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 "--nproc-per-node", "2", "--max-restarts", "1",
+                                 "--monitor-interval", "0.2",
+                                 *_train_args(tmp_path, cfg, "cut"), "--resume", "auto"],
+                                # torch 2.13's c10d rendezvous needs it for restarts
+                                env=dict(_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+                                stdout=out, stderr=subprocess.STDOUT)
+        deadline, killed = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None and killed is None:
+            # mid-epoch, after a checkpoint: the restart resumes from it
+            if _logged_updates(cut / "metrics.jsonl") >= 5 and list_checkpoints(cut):
+                pid = _worker(proc.pid, 1)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = _logged_updates(cut / "metrics.jsonl")
+            time.sleep(0.05)
+        proc.wait(timeout=180)
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0, text
+    assert killed is not None and killed < steps, text  # killed mid-run, by the test
+    assert "aiayn train: resumed from" in text, text  # by the restarted workers, by themselves
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in text  # no warning: it is set
+    resumed, uninterrupted = train_losses(cut), train_losses(whole)
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, steps + 1))
+    for step, loss in uninterrupted.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-5), step
+    w_whole, w_cut = _weights(whole, steps), _weights(cut, steps)
+    for key in w_whole:
+        torch.testing.assert_close(w_cut[key], w_whole[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_resume_on_fewer_processes_keeps_the_global_batch(tmp_path: Path) -> None:
+    """4 processes x 1 batch, resumed from step 2 on 2 processes: the resume makes it 2 x 2
+    (train.accum_steps), the same 4 batches an update from the same global position, so the
+    losses of steps 3.. are the 4-process run's. The tolerance is the float32 one of
+    test_world_times_accumulation_is_one_update: the same gradient sums in another order (two
+    local, then two processes, against four processes)."""
+    cfg, _ = _prepared(tmp_path)
+    per = 256
+    cfg = cfg.replace(data=replace(cfg.data, max_tokens=0, global_max_tokens=4 * per))
+    four = _train(tmp_path, cfg, 4, "four")
+    position = load_training_state(four / "checkpoints" / "step-00000002")
+    assert position["global_batch_in_epoch"] == 8 and position["batches_per_update"] == 4
+    two = tmp_path / "two"
+    shutil.copytree(four, two)
+    for path in list_checkpoints(two)[1:]:  # as it was at step 2
+        shutil.rmtree(path)
+    res = subprocess.run([*_torchrun(2), "-m", "aiayn", "train", "--run-dir", str(two),
+                          "--resume", "--no-progress", "--device", "cpu"],
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("resuming a run of 4 process(es) on 2: train.accum_steps 1 -> 2, so that an update "
+            "holds the same 4 batches") in res.stdout, res.stdout
+    assert "global batch 2 process(es) x 2 accumulation step(s) x 256 tokens" in res.stdout
+    saved = json.loads((two / "config.json").read_text())
+    assert (saved["train"]["accum_steps"], saved["data"]["max_tokens"]) == (2, per)
+    resumed, uninterrupted = train_losses(two), train_losses(four)
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, STEPS + 1))
+    for step, loss in uninterrupted.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_resume_auto_starts_afresh_then_continues(tmp_path: Path) -> None:
+    """One process, in this one: ``--resume auto`` over a folder an attempt left without a
+    checkpoint (its metrics lines go), then over the finished run (it continues)."""
+    from aiayn.training.run import run_training
+
+    cfg, _ = _task(tmp_path)
+    cfg = cfg.replace(train=replace(cfg.train, max_steps=2, checkpoint_every_steps=2))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 99.0})
+                                       + "\n")
+    lines: list[str] = []
+    run_training(cfg, run, vocab_path=tmp_path / "vocab", resume="auto", progress=False,
+                 log=lines.append)
+    assert any("--resume auto: no checkpoint in" in line for line in lines), lines
+    assert any("1 metrics.jsonl line(s) of an attempt" in line for line in lines), lines
+    first = train_losses(run)
+    assert sorted(first) == [1, 2] and first[1] != 99.0
+    lines.clear()
+    run_training(cfg, run, vocab_path=tmp_path / "vocab", resume="auto", progress=False,
+                 overrides=["train.max_steps=4"], log=lines.append)
+    assert any("resumed from" in line and "(step 2)" in line for line in lines), lines
+    again = train_losses(run)
+    assert sorted(again) == [1, 2, 3, 4] and again[1] == first[1]

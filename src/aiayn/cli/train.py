@@ -31,8 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a fresh optimizer and schedule; its architecture, text "
                         "(data.preprocess) and decode settings are kept, dropout, data and "
                         "training come from --preset/--config/--set")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --run-dir from its newest checkpoint")
+    p.add_argument("--resume", nargs="?", const="yes", default=None, choices=("yes", "auto"),
+                   metavar="auto",
+                   help="continue the run in --run-dir from its newest checkpoint; --resume "
+                        "auto: that when it holds one, else start afresh from --preset/--config "
+                        "(one command for torchrun --max-restarts and requeued jobs; the "
+                        "setting train.resume=auto does the same)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if "
                                                   "available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -46,13 +50,14 @@ def run(args: argparse.Namespace) -> int:
 
     from aiayn.errors import UserError
 
-    if args.init_from and (args.resume or args.vocab):
+    resume = {"yes": True, "auto": "auto", None: False}[args.resume]
+    if args.init_from and (resume is True or args.vocab):
         raise UserError("--init-from brings its own weights and vocabulary: it goes with "
                         "neither --resume nor --vocab")
-    config = None if args.resume else load_config(args.config or args.preset or "multi30k",
-                                                  args.set)
-    summary = run_training(config, args.run_dir, vocab_path=args.vocab, resume=args.resume,
-                           overrides=args.set if args.resume else None, device=args.device,
+    config = None if resume is True else load_config(args.config or args.preset or "multi30k",
+                                                     args.set)
+    summary = run_training(config, args.run_dir, vocab_path=args.vocab, resume=resume,
+                           overrides=args.set if resume else None, device=args.device,
                            progress=not args.no_progress,
                            log=lambda msg: print(msg, flush=True), init_from=args.init_from)
     if DistInfo.from_env().is_main:

@@ -103,6 +103,7 @@ def make_batch_arrays(
     shuffle: bool = True,
     num_shards: int = 1,
     shard_index: int = 0,
+    multiple_of: int = 0,
 ) -> list[np.ndarray]:
     """Group pair indices into batches of similar length, §5.1.
 
@@ -111,8 +112,12 @@ def make_batch_arrays(
     is shuffled. All randomness comes from ``(seed, epoch)``: the same arguments give the same
     batches. With ``num_shards`` > 1 the batches are dealt round-robin, so the shards partition
     the epoch (no pair lost or repeated); the largest batches are first split in two as often as
-    needed for every shard to get the same number of batches (data-parallel processes must take
-    the same number of steps).
+    needed for the count to be a multiple of ``multiple_of`` (default ``num_shards``), so that
+    every shard gets the same number of batches (data-parallel processes must take the same
+    number of steps). Training passes the batches of one update (processes x accumulation
+    steps): every epoch is then whole updates, and the epoch's batches in dealing order are
+    the same for any split of that number into processes and accumulation steps, so a position
+    counted in them (a global batch index) holds when the number of processes changes.
 
     Args:
         src_lengths, tgt_lengths: (n,) int token counts per pair, as fed to the model (see
@@ -121,17 +126,23 @@ def make_batch_arrays(
         seed, epoch: the random state of the tie-breaking and the batch order.
         shuffle: False gives batches in length order with no randomness.
         num_shards, shard_index: this process's share of the batches.
+        multiple_of: the batch count is made a multiple of this (a multiple of
+            ``num_shards``; 0: ``num_shards``).
 
     Returns:
         This shard's batches, each an int64 array of indices into the corpus.
 
     Raises:
         ValueError: a pair longer than ``max_tokens`` (it could never fit), lengths of different
-            shapes, a bad shard, fewer pairs than shards, or batches that cannot be dealt
-            equally to the shards (all of one pair each, their count not a multiple).
+            shapes, a bad shard, fewer pairs than shards, ``multiple_of`` not a multiple of
+            ``num_shards``, or batches that cannot be made a multiple (all of one pair each).
     """
     if not 0 <= shard_index < num_shards:
         raise ValueError(f"shard_index={shard_index} is not in [0, num_shards={num_shards})")
+    multiple_of = multiple_of or num_shards
+    if multiple_of % num_shards:
+        raise ValueError(f"multiple_of={multiple_of} is not a multiple of "
+                         f"num_shards={num_shards}")
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     src_lengths, tgt_lengths = np.asarray(src_lengths), np.asarray(tgt_lengths)
@@ -151,8 +162,8 @@ def make_batch_arrays(
     tiebreak = rng.random(n) if shuffle else np.arange(n)
     order = np.lexsort((tiebreak, src_lengths, tgt_lengths))
     batches = [order[a:b] for a, b in _cuts(src_lengths[order], tgt_lengths[order], max_tokens)]
-    if num_shards > 1:
-        batches = _split_to_multiple(batches, num_shards)
+    if multiple_of > 1:
+        batches = _split_to_multiple(batches, multiple_of)
     if shuffle:
         perm = rng.permutation(len(batches))
         batches = [batches[j] for j in perm]
@@ -192,9 +203,9 @@ def _split_to_multiple(batches: list[np.ndarray], k: int) -> list[np.ndarray]:
         j = int(sizes.argmax())  # the first of the largest, as max() took it
         b = batches[j]
         if len(b) < 2:  # found by the property tests: every batch is a single pair
-            raise ValueError(f"{len(batches)} batches of one pair each cannot be dealt equally "
-                             f"to {k} shards; raise max_tokens (each pair takes more than half "
-                             "of it)")
+            raise ValueError(f"{len(batches)} batches of one pair each cannot be dealt "
+                             f"equally to {k} (shards, or the batches of one update); raise "
+                             "max_tokens (each pair takes more than half of it)")
         batches[j : j + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
     return batches
 

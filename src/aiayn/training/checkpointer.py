@@ -51,9 +51,9 @@ class Checkpointer:
     def save(self, learner: Learner, reason: str = "periodic") -> Path | None:
         """Write ``checkpoints/step-N`` of ``learner`` (weights and its
         :meth:`~aiayn.training.update.Learner.state_dict`; the meta records step, epoch,
-        reason and precision) and prune to ``keep_last``. Weights that are not all finite are
-        never written (returns None then, and on other processes). Every process must call it
-        (the RNG states are gathered).
+        reason, precision, processes and batches an update) and prune to ``keep_last``.
+        Weights that are not all finite are never written (returns None then, and on other
+        processes). Every process must call it (the RNG states are gathered).
 
         Raises:
             OSError: the write failed (full disk, permissions); earlier checkpoints stay.
@@ -65,9 +65,12 @@ class Checkpointer:
         if not self.is_main:
             return None
         s = learner.state
+        # the processes and the batches of an update: what a resume on another number of
+        # processes needs to keep the global batch (aiayn.training.run), read before loading
         meta = {"step": s.step, "epoch": s.epoch, "reason": reason,
                 "elapsed_s": round(s.elapsed_s, 1), "precision": learner.precision.chosen,
-                "time": time.time()}
+                "world_size": learner.dist.world_size,
+                "batches_per_update": learner.batches_per_update, "time": time.time()}
         return self.save_step(learner.model, meta, state)
 
     def save_ema(self, learner: Learner, reason: str = "final") -> Path | None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from aiayn.checkpoint import list_checkpoints, recover_run_dir
+from aiayn.checkpoint import list_checkpoints, read_meta, recover_run_dir
 from aiayn.config import Config, TrainConfig, batch_tokens_per_process, read_json_object
 from aiayn.data.batching import encode_corpus
 from aiayn.data.corpus import ParallelCorpus
@@ -21,7 +21,14 @@ from aiayn.devices import choose_device, keep_freed_memory, widen_onednn_cache
 from aiayn.errors import UserError
 from aiayn.fileio import check_output_dir, write_json_atomic
 from aiayn.rundir import METRICS, RunDir
+from aiayn.training.distributed import (
+    check_shared_run_dir,
+    describe_data_parallel,
+    main_choice,
+    restart_warning,
+)
 from aiayn.training.loop import DistInfo, Trainer, init_distributed
+from aiayn.training.update import check_same_update
 
 
 logger = logging.getLogger("aiayn")
@@ -39,7 +46,7 @@ def prepare_training_process(device: torch.device) -> None:
 
 def train(config: Config | str, run_dir: str | Path, *, overrides: list[str] | None = None,
           init_from: str | Path | None = None, vocab: str | Path | None = None,
-          resume: bool = False, device: str | None = None,
+          resume: bool | str = False, device: str | None = None,
           progress: bool = False) -> dict[str, Any]:
     """Train a model from Python, as ``aiayn train`` does (§5's recipe).
 
@@ -52,7 +59,8 @@ def train(config: Config | str, run_dir: str | Path, *, overrides: list[str] | N
         overrides: ``SECTION.FIELD=VALUE`` strings (``--set``).
         init_from: fine-tune from this model (see :func:`run_training`).
         vocab: an existing vocabulary (``tokenizer.json`` or its folder).
-        resume: continue the run in ``run_dir`` from its newest checkpoint.
+        resume: continue the run in ``run_dir`` from its newest checkpoint; "auto": that
+            when it holds one, else start afresh from ``config`` (see :func:`run_training`).
         device: "cpu", "cuda" or "cuda:N" (default: cuda when there is one).
         progress: a tqdm bar on stderr.
 
@@ -65,7 +73,7 @@ def train(config: Config | str, run_dir: str | Path, *, overrides: list[str] | N
     """
     from aiayn.config import load_config
 
-    if resume:
+    if resume is True:
         config = None
     elif isinstance(config, str):
         config = load_config(config, overrides)
@@ -74,6 +82,10 @@ def train(config: Config | str, run_dir: str | Path, *, overrides: list[str] | N
     return run_training(config, run_dir, vocab_path=vocab, resume=resume,
                         overrides=overrides if resume else None, device=device,
                         progress=progress, init_from=init_from)
+
+
+def _quiet(msg: str) -> None:
+    pass
 
 
 def sized_to(config: Config, vocab: Any) -> Config:
@@ -275,12 +287,79 @@ def summary_line(summary: dict[str, Any]) -> str:
                                        for k, v in summary.items())
 
 
+def resolve_resume(resume: bool | str, config: Config | None, run_dir: Path) -> bool | str:
+    """``resume`` (``--resume``: True, False or "auto") with the config's ``train.resume``:
+    "auto" when either asks for it, so one command starts a run and continues it after a
+    restart (torchrun ``--max-restarts``, a requeued job).
+
+    Raises:
+        UserError: "auto" without a config to start from.
+    """
+    if resume is True:
+        return True
+    if resume == "auto" or (config is not None and config.train.resume == "auto"):
+        if config is None:
+            raise UserError(f"--resume auto starts a fresh run when {run_dir} holds no "
+                            "checkpoint: give its --preset or --config")
+        return "auto"
+    return False
+
+
+def visible_checkpoint(run_dir: Path, name: str, info: DistInfo,
+                       wait_s: float = 60.0) -> Path:
+    """``run_dir``'s checkpoint ``name`` (the main process's newest), once this process sees
+    it complete: a shared filesystem may show another node a new folder some seconds late.
+
+    Raises:
+        UserError: still not seen after ``wait_s`` seconds (naming the node and the folder).
+    """
+    import socket
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = {p.name: p for p in list_checkpoints(run_dir)}
+        if name in found:
+            return found[name]
+        if time.monotonic() > deadline:
+            raise UserError(f"{RunDir(run_dir).checkpoints / name}: the main process resumes "
+                            f"from it, but node {info.node} ({socket.gethostname()}) does not "
+                            f"see it after {wait_s:.0f} s; every node must see the one run "
+                            "folder (a shared filesystem)")
+        time.sleep(1.0)
+
+
+def keep_global_batch(config: Config, checkpoint: Path, world_size: int, log: Any) -> Config:
+    """``config`` for resuming ``checkpoint`` on ``world_size`` processes: when the number of
+    processes changed, ``train.accum_steps`` chosen so that an update holds the checkpoint's
+    batches (processes x accumulation steps), so the run continues with the same global
+    batches (§5.1's 25000 tokens stay 25000), from the same global position in the epoch.
+
+    Raises:
+        UserError: ``world_size`` does not divide the batches of an update, or a
+            ``train.accum_steps`` given with ``--set`` changes them (naming what fits).
+    """
+    meta = read_meta(checkpoint)
+    old_world, per_update = meta.get("world_size"), meta.get("batches_per_update")
+    if old_world is None or per_update is None or old_world == world_size:
+        return config  # the Learner checks the training state itself
+    accum = config.train.accum_steps
+    if accum == per_update // old_world and per_update % world_size == 0:
+        accum = per_update // world_size
+    check_same_update({"world_size": old_world, "batches_per_update": per_update}, world_size,
+                      accum, str(checkpoint))
+    log(f"aiayn train: resuming a run of {old_world} process(es) on {world_size}: "
+        f"train.accum_steps {config.train.accum_steps} -> {accum}, so that an update holds "
+        f"the same {per_update} batches (the global batch and its place in the epoch kept)")
+    return config.replace(train=dataclasses.replace(config.train, accum_steps=accum))
+
+
 def run_training(
     config: Config | None,
     run_dir: str | Path,
     *,
     vocab_path: str | Path | None = None,
-    resume: bool = False,
+    resume: bool | str = False,
     overrides: list[str] | None = None,
     device: str | None = None,
     progress: bool = True,
@@ -295,6 +374,13 @@ def run_training(
     the architecture, ``data.preprocess`` and decode settings are the model's; dropout, data
     and training settings are ``config``'s.
 
+    With ``resume="auto"`` (or ``config.train.resume = "auto"``) the run resumes when
+    ``run_dir`` holds a checkpoint and starts afresh from ``config`` when it holds none (then
+    ``overrides`` apply to the resumed run, as with ``resume=True``). A run resumed on another
+    number of processes keeps its global batch (:func:`keep_global_batch`). Under torchrun on
+    several nodes, every node must see the one ``run_dir``
+    (:func:`~aiayn.training.distributed.check_shared_run_dir`).
+
     Without ``vocab_path`` a vocabulary of ``data.vocab_size`` is learned from the training
     pairs; ``model.vocab_size`` is then set to its real size. Everything is checked before
     anything is written: ``config.json`` and ``tokenizer.json`` are written into ``run_dir``
@@ -302,7 +388,8 @@ def run_training(
 
     Raises:
         UserError: resuming without a checkpoint, starting over one, ``run_dir`` an existing
-            file, a resume that changes the model's shape, no usable training pair, a device
+            file or not shared by the nodes, a resume that changes the model's shape or (on
+            another number of processes) the global batch, no usable training pair, a device
             this machine lacks.
     """
     log = log or logger.info
@@ -311,7 +398,11 @@ def run_training(
     dev = choose_device(device, info.local_rank)
     check_output_dir(run_dir, "--run-dir")
     prepare_training_process(dev)
-    if config is not None:  # a global batch that cannot be shared out fails before any work
+    auto = resolve_resume(resume, config, run_dir) == "auto"
+    if auto:  # decided again, by the main process, once the run folder is recovered
+        resume = bool(list_checkpoints(run_dir))
+    if config is not None and not resume:  # a global batch that cannot be shared out fails
+        # before any work
         batch_tokens_per_process(config.data, info.world_size, config.train.accum_steps)
     early_text = early_vocab = None
     if (info.world_size > 1 and not resume and init_from is None and not vocab_path
@@ -325,24 +416,34 @@ def run_training(
                                            log if info.is_main else None, "aiayn train")
     tc = _dist_settings(config, run_dir, resume, overrides)
     init_distributed(dev, tc.dist_backend, tc.dist_timeout_s)  # the one place a group is joined
+    check_shared_run_dir(run_dir, info)
     if info.is_main and run_dir.is_dir():
         for line in recover_run_dir(run_dir):
             log(f"aiayn train: {line}")
     if info.world_size > 1:
         dist.barrier()
+    # the main process's newest checkpoint, for all: another node's view of a shared folder
+    # can lag behind (NFS caches directory listings), and every process must resume one step
+    found = list_checkpoints(run_dir)
+    newest = main_choice(found[-1].name if found else "", info)
+    if auto:
+        resume = bool(newest)
+        if info.is_main and not resume:
+            log(f"aiayn train: --resume auto: no checkpoint in {run_dir}, starting afresh")
     resume_from = None
     vocab = None
     if resume:
-        found = list_checkpoints(run_dir)
-        if not found:
+        if not newest:
             raise UserError(f"--resume: no checkpoint in {RunDir(run_dir).checkpoints}")
-        resume_from = found[-1]
+        resume_from = visible_checkpoint(run_dir, newest, info)
         saved = Config.from_dict(read_json_object(RunDir(run_dir).config),
                                  source=str(RunDir(run_dir).config))
         config = saved.with_overrides(overrides) if overrides else saved  # e.g. more steps
         check_resume_overrides(saved, config, run_dir)
+        config = keep_global_batch(config, resume_from, info.world_size,
+                                   log if info.is_main else _quiet)
         vocab = Vocabulary.load(run_dir)
-    elif list_checkpoints(run_dir):
+    elif newest:
         raise UserError(f"{run_dir} already holds checkpoints: add --resume to continue that "
                         "run, or choose another --run-dir")
     assert config is not None
@@ -362,6 +463,8 @@ def run_training(
     trainer = Trainer(config, run_dir, vocab, train, valid_corpus, valid_enc, dev,
                       progress=progress, train_text=train_text, model=start_model,
                       resume_from=resume_from)
+    if auto and not resume:  # an attempt killed before its first checkpoint logged steps
+        trainer.metrics_dropped = trainer.metrics.rewind(0)
     if info.is_main:  # validated and restored: only now is anything written
         run_dir.mkdir(parents=True, exist_ok=True)
         vocab.save(run_dir)
@@ -376,6 +479,11 @@ def run_training(
             f"vocabulary {len(vocab)}, {info.world_size} process(es) on {dev}, "
             f"run dir {run_dir}")
         log(f"aiayn train: {describe_global_batch(config, info.world_size)}")
+        if restart_warning():
+            log(f"aiayn train: {restart_warning()}")
+        if info.world_size > 1:
+            ddp = describe_data_parallel(trainer.learner.compute_model, config.train)
+            log(f"aiayn train: {ddp}")
         log(f"aiayn train: {trainer.precision.describe()}")
         if config.model.output_vocab == "target":  # the bias limit_output_vocab set
             bias = trainer.model.final_logits_bias
@@ -411,6 +519,9 @@ def run_training(
             dropped = (f"; {trainer.metrics_dropped} {METRICS} line(s) of the steps after "
                        "it dropped, as they are trained again" if trainer.metrics_dropped else "")
             log(f"aiayn train: resumed from {resume_from} (step {trainer.state.step}){dropped}")
+        elif trainer.metrics_dropped:
+            log(f"aiayn train: {trainer.metrics_dropped} {METRICS} line(s) of an attempt that "
+                "wrote no checkpoint dropped, as its steps are trained again")
     try:
         return trainer.fit()
     finally:

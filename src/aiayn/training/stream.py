@@ -3,6 +3,12 @@
 shard, and with ``data.bpe_dropout`` the pairs segmented anew every epoch. A pure function of
 the seed and the position, so a resumed run continues exactly where it stopped.
 
+An epoch's batches are the same list for every split of one update's batches (processes x
+``train.accum_steps``) and are dealt to the processes round-robin, so process ``r``'s ``k``-th
+batch is the list's ``k x processes + r``-th: the position a checkpoint keeps is that global
+index (:func:`global_batch_index`), and a run resumed on another number of processes, with the
+accumulation steps that keep the update's batches, trains on the same global batches.
+
 The batches are padded by a :class:`torch.utils.data.DataLoader` over this process's batch list
 (its ``batch_sampler``): with a prepared (memory-mapped) corpus beside an accelerator, in a worker
 process that keeps the next batches ready (:func:`loader_workers`), in pinned memory on CUDA.
@@ -24,6 +30,26 @@ from aiayn.data.corpus import ParallelCorpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.training.distributed import DistInfo
 from aiayn.training.state import TrainState
+
+
+def global_batch_index(batch_in_epoch: int, info: DistInfo) -> int:
+    """The batches of an epoch all processes have consumed when each has consumed
+    ``batch_in_epoch`` of its own (every process takes the same number: one update's)."""
+    return batch_in_epoch * info.world_size
+
+
+def local_batch_index(global_index: int, info: DistInfo) -> int:
+    """This process's position in its share of an epoch, from the global one
+    (:func:`global_batch_index`).
+
+    Raises:
+        ValueError: ``global_index`` is not whole rounds of the processes (a position saved
+            mid-update; checkpoints are written between updates).
+    """
+    if global_index % info.world_size:
+        raise ValueError(f"global batch position {global_index} is not a whole round of "
+                         f"{info.world_size} processes")
+    return global_index // info.world_size
 
 
 def loader_workers(device: torch.device) -> int:
@@ -81,7 +107,8 @@ class EpochStream:
     def batches_of_epoch(self, epoch: int) -> list[list[int]]:
         """The batches of ``epoch`` this process trains on, in order: lists of indices into
         :meth:`data_of_epoch`, each batch at most ``data.max_tokens`` tokens a side (padding
-        included), shuffled by ``(train.seed, epoch)`` and sharded by rank. Deterministic:
+        included), shuffled by ``(train.seed, epoch)``, their count made a multiple of one
+        update's batches (processes x ``train.accum_steps``) and dealt by rank. Deterministic:
         resuming, and benchmarks that time the same batches, call it again."""
         return [b.tolist() for b in self.batch_arrays(epoch)]
 
@@ -92,7 +119,8 @@ class EpochStream:
             batches = make_batch_arrays(
                 data.src_lengths(), data.tgt_lengths(), self.config.data.max_tokens,
                 seed=self.config.train.seed, epoch=epoch, shuffle=True,
-                num_shards=self.info.world_size, shard_index=self.info.rank)
+                num_shards=self.info.world_size, shard_index=self.info.rank,
+                multiple_of=self.info.world_size * self.config.train.accum_steps)
             if not batches:
                 raise ValueError(f"epoch {epoch} has no batch")  # guarded in __init__
             self._epoch_batches = (epoch, batches)

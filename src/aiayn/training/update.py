@@ -29,6 +29,7 @@ from aiayn.precision import Precision, choose_precision, resumed_precision
 from aiayn.training.distributed import (
     DistInfo,
     agree_precision,
+    data_parallel,
     restore_rng_state,
     rng_states,
     sum_over_processes,
@@ -37,6 +38,7 @@ from aiayn.training.loss import projected_label_smoothed_loss, rdrop_loss
 from aiayn.training.mixed import MixedPrecision
 from aiayn.training.schedule import budget_progress, scheduled_lr
 from aiayn.training.state import TrainState
+from aiayn.training.stream import global_batch_index, local_batch_index
 
 # (model, batch, grad_scale = 1.0) -> (loss_sum, nll_sum, tokens scored); validation calls it
 # without grad_scale
@@ -136,6 +138,33 @@ def batch_loss(model: nn.Module, batch: Batch, *, epsilon_ls: float, pad_id: int
                                              epsilon_ls, pad_id, grad_scale)
 
 
+def check_same_update(saved: dict[str, Any], world_size: int, accum_steps: int,
+                      source: str = "the checkpoint") -> None:
+    """Refuse to resume ``saved`` (a checkpoint's training state) at ``world_size`` processes
+    x ``accum_steps`` unless its position can carry over: the same batches an update (the
+    epoch's batch list and the global batch depend on it), and, for checkpoints written
+    before positions were global, the same number of processes.
+
+    Raises:
+        UserError: naming ``source``, what it was written with and what to resume with.
+    """
+    old_world = saved.get("world_size", 1)
+    if "batches_per_update" not in saved:
+        if old_world != world_size:
+            raise UserError(f"{source} was written by a run of {old_world} processes (before "
+                            "positions were kept as global batch indices); resume it with the "
+                            f"same number (now {world_size})")
+        return
+    per_update = saved["batches_per_update"]
+    if world_size * accum_steps != per_update:
+        fits = [w for w in range(1, per_update + 1) if per_update % w == 0]
+        raise UserError(f"{source}: its updates hold {per_update} batches ({old_world} "
+                        f"process(es) x {per_update // old_world} accumulation step(s)); "
+                        f"{world_size} process(es) x train.accum_steps={accum_steps} would "
+                        f"change the global batch: resume with {', '.join(map(str, fits))} "
+                        f"process(es) and processes x train.accum_steps = {per_update}")
+
+
 class Learner:
     """The model, its optimizer, mixed precision, the moving average and where training
     stands: everything one update changes.
@@ -173,9 +202,7 @@ class Learner:
             set_tf32(precision.tf32)
         self.ddp_model: nn.Module = self.compute_model
         if dist.world_size > 1:
-            self.ddp_model = nn.parallel.DistributedDataParallel(
-                self.compute_model,
-                device_ids=[device.index] if device.type == "cuda" else None)
+            self.ddp_model = data_parallel(self.compute_model, device, self.tc)
         # train.ema_decay: a float32 moving average of the master weights, one lerp per update
         self.ema: AveragedModel | None = None
         if self.tc.ema_decay > 0:
@@ -305,12 +332,17 @@ class Learner:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume restores besides the weights: the :class:`TrainState`, the
         optimizer, the EMA, fp16's loss scale, every process's RNG state (a collective: they
-        are gathered) and the precision the run used."""
+        are gathered), the precision the run used, and the position in the epoch as a global
+        batch index with the batches of one update (processes x accumulation steps), which a
+        resume on another number of processes keeps."""
         return {**self.state.to_dict(), "optimizer": self.optimizer.state_dict(),
                 **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
                 **({"scaler": self.scaler.state_dict()} if self.scaler.is_enabled() else {}),
                 "rng": rng_states(self.dist, self.device),
                 "rank": self.dist.rank, "world_size": self.dist.world_size,
+                "global_batch_in_epoch": global_batch_index(self.state.batch_in_epoch,
+                                                            self.dist),
+                "batches_per_update": self.batches_per_update,
                 "precision": self.precision.chosen, "precision_device": self.device.type}
 
     def load_state_dict(self, saved: dict[str, Any], source: str = "the checkpoint") -> None:
@@ -320,14 +352,16 @@ class Learner:
         The optimizer's moments are the checkpoint's; its hyperparameters are this run's
         config (its ``--set`` overrides on resume included).
 
+        The position in the epoch is the saved global batch index, shared out anew when the
+        number of processes changed (:func:`~aiayn.training.stream.local_batch_index`).
+
         Raises:
-            UserError: ``saved`` was written by another number of processes or with another
-                optimizer layout (naming ``source``).
+            UserError: ``saved`` holds updates of another number of batches (processes x
+                accumulation steps; the run resumes with the same), or was written by another
+                number of processes before positions were saved as global ones, or with
+                another optimizer layout (naming ``source``).
         """
-        if saved.get("world_size", 1) != self.dist.world_size:
-            raise UserError(f"{source} was written by a run of {saved.get('world_size')} "
-                            f"processes; resume it with the same number (now "
-                            f"{self.dist.world_size})")
+        check_same_update(saved, self.dist.world_size, self.tc.accum_steps, source)
         groups, ours = len(saved["optimizer"]["param_groups"]), len(self.optimizer.param_groups)
         if groups != ours:
             raise UserError(f"{source}: its optimizer state has {groups} parameter group(s), "
@@ -348,7 +382,15 @@ class Learner:
         if self.scaler.is_enabled() and "scaler" in saved:  # else the scale starts afresh
             self.scaler.load_state_dict(saved["scaler"])
         self.state = TrainState.from_dict(saved)
+        if "global_batch_in_epoch" in saved:
+            self.state.batch_in_epoch = local_batch_index(saved["global_batch_in_epoch"],
+                                                          self.dist)
         restore_rng_state(saved, self.dist, self.device)
+
+    @property
+    def batches_per_update(self) -> int:
+        """The batches of one update, over all processes (processes x accumulation steps)."""
+        return self.dist.world_size * self.tc.accum_steps
 
     def release_process_group(self) -> None:
         """Drop the DDP wrapper, whose reducer holds the process group; call it before
@@ -364,4 +406,4 @@ class Learner:
 
 
 __all__ = ["BatchLoss", "Learner", "batch_loss", "build_model", "build_optimizer",
-           "training_precision"]
+           "check_same_update", "training_precision"]
