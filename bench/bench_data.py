@@ -236,9 +236,10 @@ def _rollup(pid: int) -> dict[str, int]:
 
 
 def ranks_memory(prepared: Path, work: Path, ranks: int, global_tokens: int, steps: int,
-                 valid: str | None) -> dict:
-    """Peak summed PSS (GB) of ``ranks`` gloo training processes on ``prepared``, sampled every
-    0.25 s, with each process's anonymous and file-backed PSS at that peak."""
+                 valid: str | None, src: Path = SRC) -> dict:
+    """Peak summed PSS (GB) of ``ranks`` gloo training processes on ``prepared`` (the aiayn of
+    ``src``), sampled every 0.25 s, with each process's anonymous and file-backed PSS at that
+    peak."""
     run = work / f"run-ranks{ranks}"
     shutil.rmtree(run, ignore_errors=True)
     sets = [f"data.prepared={prepared}", "data.dataset=files", "data.max_tokens=0",
@@ -249,7 +250,7 @@ def ranks_memory(prepared: Path, work: Path, ranks: int, global_tokens: int, ste
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={ranks}", "-m", "aiayn", "train", "--preset", "tiny",
            "--run-dir", str(run), "--no-progress", *sum((["--set", s] for s in sets), [])]
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -295,6 +296,8 @@ def main() -> int:
     p.add_argument("--prepared", type=Path, help="the prepared folder --ranks trains on")
     p.add_argument("--global-tokens", type=int, default=12500)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--src", type=Path, default=SRC,
+                   help="the src/ folder of the aiayn --ranks runs (default: this one)")
     p.add_argument("--work", type=Path, required=True, help="scratch folder")
     p.add_argument("--pairs", type=int, default=0, help="the first N pairs; 0: all")
     p.add_argument("--vocab", type=Path, default=None, help="a vocabulary (tokenizer.json)")
@@ -314,7 +317,7 @@ def main() -> int:
         data_dir = os.environ.get("AIAYN_DATA_DIR")
         valid = f"{data_dir}/wmt14-en-de/newstest2013" if data_dir else None
         r = ranks_memory(args.prepared.resolve(), work.resolve(), args.ranks,
-                         args.global_tokens, args.steps, valid)
+                         args.global_tokens, args.steps, valid, args.src.resolve())
         r["cpu"] = _cpu_class()
         if args.json:
             print(json.dumps(r))
