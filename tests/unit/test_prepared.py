@@ -400,3 +400,25 @@ def test_a_prepare_that_keeps_no_pair_is_refused(tmp_path, vocab, capsys):
     assert len(err) == 1 and "none of the 7 training pairs fits --max-len 2 tokens" in err[0]
     assert not (tmp_path / "out" / "p").exists()
     assert list((tmp_path / "out").iterdir()) == []  # no partial folder either
+
+
+def test_where_a_folder_cannot_be_locked_a_lock_file_is_used_and_removed(
+        tmp_path, vocab, monkeypatch):
+    import errno as errno_module
+    import fcntl
+    import stat
+
+    flock = fcntl.flock
+    locked_files: list[int] = []
+
+    def no_folder_locks(fd, op):  # as some network file systems answer
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno_module.ENOLCK, "No locks available")
+        locked_files.append(fd)
+        return flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", no_folder_locks)
+    src, tgt = write_pair(tmp_path)
+    out = tmp_path / "out" / "p"
+    prepare(src, tgt, vocab, out)
+    assert locked_files and [p.name for p in out.parent.iterdir()] == ["p"]

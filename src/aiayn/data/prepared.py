@@ -349,6 +349,8 @@ def output_lock(out_dir: str | Path) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except OSError:
         os.close(fd)
+        fd = -1
+    if fd < 0:
         with _lock_file(parent / f".{Path(out_dir).name}.lock"):
             yield
         return
