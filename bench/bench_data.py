@@ -6,6 +6,14 @@ Run:
   AIAYN_DATA_DIR=../shared/data python bench/make_synthetic_wmt.py --pairs 1000000 -o /tmp/wmt1m
   python bench/bench_data.py --corpus /tmp/wmt1m --work /tmp/bench-data [--pairs 250000]
       [--vocab DIR] [--baseline-src OLD/src] [--json]
+  python bench/bench_data.py --ranks 4 --prepared DIR --work /tmp/bench-ranks [--json]
+
+``--ranks N`` measures only the memory of N gloo training processes (``torchrun
+--nproc-per-node N -m aiayn train --preset tiny``) on the prepared folder ``--prepared``: the
+processes' proportional set size (``Pss`` of ``/proc/PID/smaps_rollup``, each shared page
+counted once across them) summed every 0.25 s, its peak, and each process's anonymous and
+file-backed share at that peak (``--global-tokens`` 12,500 a side an update, ``--steps`` 8,
+validating on ``$AIAYN_DATA_DIR/wmt14-en-de/newstest2013``).
 
 Every stage that a user runs as a command runs as one (``python -m aiayn ...``) in a process of
 its own, timed wall-clock and with its peak RSS from ``wait4``. ``--baseline-src`` names the
@@ -103,6 +111,17 @@ def data_memory(mode: str, a: Path, b: Path | None, vocab: Path, src_path: Path)
     return json.loads(m["out"].strip().splitlines()[-1])
 
 
+def _cpu_class() -> str:
+    """The machine's CPU, as docs/development.md names the classes."""
+    info = Path("/proc/cpuinfo").read_text()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.startswith("model\t")), "?")
+    family = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                   if line.startswith("cpu family")), "?")
+    kind = "bf16 class" if "avx512_bf16" in info else "AVX2 class"
+    return f"{kind}, family {family} model {model}, {os.cpu_count()} CPUs"
+
+
 def data_wait(corpus, step_s: float, steps: int, workers: int = 1) -> dict:
     """The training stream (its DataLoader with ``workers`` workers) against a stand-in step
     of ``step_s`` seconds of sleep (an accelerator's step: the CPU is free meanwhile): the
@@ -183,9 +202,102 @@ def in_process_figures(prepared: Path, baseline_src: Path | None, samples: int) 
     return out
 
 
+def _descendants(root: int) -> list[int]:
+    """The processes below ``root`` (its children, theirs, ...), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _rollup(pid: int) -> dict[str, int]:
+    """``/proc/PID/smaps_rollup``'s kB fields (empty when the process is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        if rest.strip().endswith("kB"):
+            out[key] = int(rest.split()[0])
+    return out
+
+
+def ranks_memory(prepared: Path, work: Path, ranks: int, global_tokens: int, steps: int,
+                 valid: str | None, src: Path = SRC) -> dict:
+    """Peak summed PSS (GB) of ``ranks`` gloo training processes on ``prepared`` (the aiayn of
+    ``src``), sampled every 0.25 s, with each process's anonymous and file-backed PSS at that
+    peak."""
+    run = work / f"run-ranks{ranks}"
+    shutil.rmtree(run, ignore_errors=True)
+    sets = [f"data.prepared={prepared}", "data.dataset=files", "data.max_tokens=0",
+            f"data.global_max_tokens={global_tokens}", f"train.max_steps={steps}",
+            "train.checkpoint_every_steps=0", "train.precision=fp32"]
+    if valid:
+        sets += [f"data.valid_src={valid}.en", f"data.valid_tgt={valid}.de"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", "-m", "aiayn", "train", "--preset", "tiny",
+           "--run-dir", str(run), "--no-progress", *sum((["--set", s] for s in sets), [])]
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    log = work / f"ranks{ranks}.log"
+    import threading
+
+    out: list[str] = []  # the run's output, each line stamped with when it came
+
+    def read() -> None:
+        for line in proc.stdout:
+            out.append(f"{time.perf_counter() - t0:8.1f} s  {line}")
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    peak = {"pss_gb": 0.0}
+    timeline = []  # (s, summed PSS GB, each process's anonymous PSS GB)
+    while proc.poll() is None:
+        procs = {pid: _rollup(pid) for pid in _descendants(proc.pid)}
+        procs = {pid: r for pid, r in procs.items() if r}
+        total = sum(r.get("Pss", 0) for r in procs.values()) / 1e6
+        timeline.append(f"{time.perf_counter() - t0:8.1f} s  PSS {total:.3f} GB  anonymous "
+                        + " ".join(f"{r.get('Pss_Anon', 0) / 1e6:.3f}" for r in procs.values()))
+        if total > peak["pss_gb"]:
+            peak = {"pss_gb": total, "at_s": time.perf_counter() - t0, "processes": [
+                {"pss_gb": r.get("Pss", 0) / 1e6, "anon_gb": r.get("Pss_Anon", 0) / 1e6,
+                 "file_gb": r.get("Pss_File", 0) / 1e6, "shmem_gb": r.get("Pss_Shmem", 0) / 1e6,
+                 "rss_gb": r.get("Rss", 0) / 1e6} for r in procs.values()]}
+        time.sleep(0.25)
+    reader.join()
+    log.write_text("".join(out))
+    (work / f"ranks{ranks}.pss.txt").write_text("\n".join(timeline) + "\n")
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_data: {' '.join(cmd)} failed ({proc.returncode}); see {log}")
+    return {"ranks": ranks, "global_tokens": global_tokens, "steps": steps,
+            "valid": valid, "s": time.perf_counter() - t0, **peak}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--corpus", type=Path, required=True, help="folder of train.en, train.de")
+    p.add_argument("--corpus", type=Path, help="folder of train.en, train.de")
+    p.add_argument("--ranks", type=int, default=0,
+                   help="only the summed PSS of this many gloo training processes")
+    p.add_argument("--prepared", type=Path, help="the prepared folder --ranks trains on")
+    p.add_argument("--global-tokens", type=int, default=12500)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--src", type=Path, default=SRC,
+                   help="the src/ folder of the aiayn --ranks runs (default: this one)")
     p.add_argument("--work", type=Path, required=True, help="scratch folder")
     p.add_argument("--pairs", type=int, default=0, help="the first N pairs; 0: all")
     p.add_argument("--vocab", type=Path, default=None, help="a vocabulary (tokenizer.json)")
@@ -199,6 +311,26 @@ def main() -> int:
     args = p.parse_args()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
+    if args.ranks:
+        if args.prepared is None:
+            p.error("--ranks needs --prepared")
+        data_dir = os.environ.get("AIAYN_DATA_DIR")
+        valid = f"{data_dir}/wmt14-en-de/newstest2013" if data_dir else None
+        r = ranks_memory(args.prepared.resolve(), work.resolve(), args.ranks,
+                         args.global_tokens, args.steps, valid, args.src.resolve())
+        r["cpu"] = _cpu_class()
+        if args.json:
+            print(json.dumps(r))
+            return 0
+        print(f"{args.ranks} gloo ranks, `tiny`, {args.global_tokens:,} tokens an update, "
+              f"{args.steps} steps, validating on {valid or 'nothing'} ({r['cpu']}): peak summed "
+              f"PSS {r['pss_gb']:.3f} GB at {r['at_s']:.1f} s of {r['s']:.1f} s")
+        for q in sorted(r["processes"], key=lambda q: -q["pss_gb"]):
+            print(f"  process: PSS {q['pss_gb']:.3f} GB = anonymous {q['anon_gb']:.3f} + "
+                  f"file {q['file_gb']:.3f} + shmem {q['shmem_gb']:.3f} (RSS {q['rss_gb']:.3f})")
+        return 0
+    if args.corpus is None:
+        p.error("--corpus is required (or --ranks with --prepared)")
     if args.pairs:
         src, tgt = head(args.corpus, args.pairs, work)
     else:

@@ -50,16 +50,19 @@ def quiet(_msg: str) -> None:
     pass
 
 
-def test_a_prepared_folder_trains_as_its_raw_files_do(tmp_path):
+def test_a_prepared_folder_trains_as_its_raw_files_do(tmp_path, monkeypatch):
     src, tgt = write_files(tmp_path)
     cfg = config(src, tgt)
     run_training(cfg, tmp_path / "raw", progress=False, log=quiet)
     vocab = Vocabulary.load(tmp_path / "raw")
     prepare(src, tgt, vocab, tmp_path / "prep", Settings(max_len=32))
+    monkeypatch.chdir(tmp_path)  # data.prepared relative to it, recorded absolute
     prepared = cfg.replace(data=replace(cfg.data, dataset="files", train_src=None,
-                                        train_tgt=None, prepared=str(tmp_path / "prep")))
+                                        train_tgt=None, prepared="prep"))
     run_training(prepared, tmp_path / "run", progress=False, log=quiet)  # its vocabulary
     assert losses(tmp_path / "run") == losses(tmp_path / "raw")
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["data"]["prepared"] == str(tmp_path / "prep")
     record = json.loads((tmp_path / "run" / DATA_RECORD).read_text())
     assert record == {**record, "fingerprint": json.loads(
         (tmp_path / "raw" / DATA_RECORD).read_text())["fingerprint"]}

@@ -123,8 +123,8 @@ def test_prepare_again_is_a_cache_hit_until_an_input_changes(tmp_path, vocab):
     assert changed.fingerprint != first.fingerprint
     changes = prep.describe_changes(first.manifest, changed.manifest)
     assert len(changes) == 1 and "source file (train.en) changed" in changes[0]
-    other = prepare(src, tgt, vocab, tmp_path / "p", Settings(max_len=8))
-    assert prep.describe_changes(changed.manifest, other.manifest) == ["max_len 256 -> 8"]
+    other = prepare(src, tgt, vocab, tmp_path / "p", Settings(max_len=10))
+    assert prep.describe_changes(changed.manifest, other.manifest) == ["max_len 256 -> 10"]
 
 
 def test_a_truncated_or_foreign_folder_is_refused_naming_the_file(tmp_path, vocab):
@@ -246,3 +246,179 @@ def test_runs_started_together_prepare_the_cache_entry_once(tmp_path, vocab, mon
     assert sum("pairs kept" in line for line in logs) == 1
     assert sum("reused" in line for line in logs) == 3
     assert {len(c) for c in opened} == {len(PreparedCorpus.open(opened[0].directory))}
+
+
+# --- the lock, the sweep, the cache's keys and limit (issue 81, problem 8) -------------------
+CHILD = """
+import os, signal, sys, time
+from aiayn.data import prepared as prep
+from aiayn.data.vocab import Vocabulary
+src, tgt, vocab, out, mode = sys.argv[1:6]
+write, calls = prep._write, [0]
+def patched(f, array):
+    calls[0] += 1
+    if mode == "kill" and calls[0] > 20:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-write: the arrays are half written
+    time.sleep(0.01)  # slow enough that two prepares started together overlap
+    write(f, array)
+prep._write = patched
+prep.prepare(src, tgt, Vocabulary.load(vocab), out, prep.Settings(max_len=int(sys.argv[6])),
+             chunk_pairs=40, log=print)
+"""
+
+
+def child(src: Path, tgt: Path, vocab_dir: Path, out: Path, mode: str, max_len: int = 256):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(src), str(tgt), str(vocab_dir),
+                             str(out), mode, str(max_len)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def many_pairs(folder: Path, n: int = 2000) -> tuple[Path, Path]:
+    return write_pair(folder, [SRC[i % len(SRC)] or "x" for i in range(n)],
+                      [TGT[i % len(TGT)] for i in range(n)])
+
+
+@pytest.mark.slow  # processes of their own
+def test_two_processes_preparing_one_folder_take_turns(tmp_path, vocab):
+    """Two `aiayn prepare -o SAME` at once: the second waits on the lock, then reuses the
+    first's folder; both succeed, one whole folder results, nothing is left beside it."""
+    (tmp_path / "in").mkdir()
+    src, tgt = many_pairs(tmp_path / "in")
+    vocab.save(tmp_path / "v")
+    out = tmp_path / "out" / "p"
+    procs = [child(src, tgt, tmp_path / "v", out, "slow") for _ in range(2)]
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    assert sum("pairs kept" in log for log in logs) == 1, logs
+    assert sum("reused" in log for log in logs) == 1, logs
+    corpus = PreparedCorpus.open(out)
+    assert len(corpus) == 2000 and corpus.pair(7) == corpus.pair(15)
+    assert [p.name for p in out.parent.iterdir()] == ["p"]  # no lock file, no partial
+
+
+@pytest.mark.slow  # processes of their own
+def test_a_killed_prepare_leaves_the_old_folder_and_the_next_one_sweeps(tmp_path, vocab):
+    (tmp_path / "in").mkdir()
+    src, tgt = many_pairs(tmp_path / "in")
+    vocab.save(tmp_path / "v")
+    out = tmp_path / "out" / "p"
+    good = prepare(src, tgt, vocab, out, Settings(max_len=64))
+    proc = child(src, tgt, tmp_path / "v", out, "kill", max_len=32)  # another setting: rebuild
+    proc.communicate(timeout=120)
+    assert proc.returncode == -9
+    partial = [p.name for p in out.parent.iterdir() if ".partial-" in p.name]
+    assert len(partial) == 1 and any((out.parent / partial[0]).iterdir())
+    assert PreparedCorpus.open(out).fingerprint == good.fingerprint  # untouched
+    lines: list[str] = []
+    again = prepare(src, tgt, vocab, out, Settings(max_len=32), log=lines.append)
+    assert "removed 1 unfinished folder" in lines[0] and partial[0] in lines[0]
+    assert [p.name for p in out.parent.iterdir()] == ["p"]
+    assert again.manifest["settings"]["max_len"] == 32
+
+
+def test_a_touched_input_finds_its_cache_entry(tmp_path, vocab, monkeypatch):
+    from aiayn.training.distributed import DistInfo
+
+    monkeypatch.setenv("AIAYN_CACHE_DIR", str(tmp_path / "cache"))
+    src, tgt = write_pair(tmp_path)
+    lines: list[str] = []
+    first = prep.prepare_for_training(src, tgt, vocab, Settings(), DistInfo(), lines.append)
+    os.utime(src, ns=(10**18, 10**18))  # `touch`: the same bytes at another time
+    lines.clear()
+    again = prep.prepare_for_training(src, tgt, vocab, Settings(), DistInfo(), lines.append)
+    assert again.directory == first.directory and "reused" in lines[-1]
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    src2, tgt2 = write_pair(copy)  # the same bytes under another name: the same entry
+    assert prep.cache_folder(src2, tgt2, vocab, Settings()) == first.directory
+    monkeypatch.setenv(prep.FULL_HASH_ENV, "1")
+    assert prep.cache_folder(src2, tgt2, vocab, Settings()) == first.directory  # < 2 MiB: all
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a b c\n" * 700_000)
+    ends = prep.content_key(big)
+    with open(big, "r+b") as f:  # the middle changed, the size kept
+        f.seek(2_100_000)
+        f.write(b"x")
+    assert prep.content_key(big) == ends and prep.content_key(big, full=True) != ends
+
+
+def test_the_cache_keeps_its_size_limit_evicting_the_least_recently_used(
+        tmp_path, vocab, monkeypatch):
+    from aiayn.training.distributed import DistInfo
+
+    monkeypatch.setenv("AIAYN_CACHE_DIR", str(tmp_path / "cache"))
+    src, tgt = write_pair(tmp_path)
+    made = [prep.prepare_for_training(src, tgt, vocab, Settings(max_len=m), DistInfo(),
+                                      quiet).directory for m in (64, 128, 256)]
+    one = sum(f.stat().st_size for f in made[0].iterdir())
+    os.utime(made[0])  # the oldest used again: now the second is the least recently used
+    (made[0].parent / ".x.partial-123").mkdir()  # left by a killed prepare
+    monkeypatch.setenv(prep.CACHE_LIMIT_ENV, str(2.5 * one / 1e9))
+    lines: list[str] = []
+    prep.prepare_for_training(src, tgt, vocab, Settings(max_len=256), DistInfo(), lines.append)
+    assert sorted(p.name for p in made[0].parent.iterdir()) == sorted(
+        [made[0].name, made[2].name])
+    assert any(made[1].name in line and "least recently used" in line for line in lines)
+    monkeypatch.setenv(prep.CACHE_LIMIT_ENV, "lots")
+    with pytest.raises(UserError, match="AIAYN_CACHE_MAX_GB='lots': not a size"):
+        prep.prepare_for_training(src, tgt, vocab, Settings(), DistInfo(), quiet)
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+def test_a_folder_of_the_other_byte_order_is_refused(tmp_path, vocab):
+    import sys
+
+    src, tgt = write_pair(tmp_path)
+    corpus = prepare(src, tgt, vocab, tmp_path / "p")
+    assert corpus.manifest["byteorder"] == sys.byteorder
+    other = "big" if sys.byteorder == "little" else "little"
+    path = tmp_path / "p" / prep.MANIFEST_FILE
+    path.write_text(json.dumps({**corpus.manifest, "byteorder": other}))
+    with pytest.raises(DataError, match=rf"arrays are {other}-endian, this machine is "
+                                        rf"{sys.byteorder}-endian: run `aiayn prepare` again"):
+        PreparedCorpus.open(tmp_path / "p")
+    lines: list[str] = []
+    prepare(src, tgt, vocab, tmp_path / "p", log=lines.append)  # prepared anew, not reused
+    assert "pairs kept" in lines[-1]
+
+
+def test_a_prepare_that_keeps_no_pair_is_refused(tmp_path, vocab, capsys):
+    from aiayn.cli import main
+
+    src, tgt = write_pair(tmp_path)
+    vocab.save(tmp_path / "v")
+    argv = ["prepare", "--src", str(src), "--tgt", str(tgt), "--vocab", str(tmp_path / "v"),
+            "-o", str(tmp_path / "out" / "p"), "--max-len", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none of the 7 training pairs fits --max-len 2 tokens" in err[0]
+    assert not (tmp_path / "out" / "p").exists()
+    assert list((tmp_path / "out").iterdir()) == []  # no partial folder either
+
+
+def test_where_a_folder_cannot_be_locked_a_lock_file_is_used_and_removed(
+        tmp_path, vocab, monkeypatch):
+    import errno as errno_module
+    import fcntl
+    import stat
+
+    flock = fcntl.flock
+    locked_files: list[int] = []
+
+    def no_folder_locks(fd, op):  # as some network file systems answer
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno_module.ENOLCK, "No locks available")
+        locked_files.append(fd)
+        return flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", no_folder_locks)
+    src, tgt = write_pair(tmp_path)
+    out = tmp_path / "out" / "p"
+    prepare(src, tgt, vocab, out)
+    assert locked_files and [p.name for p in out.parent.iterdir()] == ["p"]

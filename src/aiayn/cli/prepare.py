@@ -10,7 +10,8 @@ from aiayn.config import PREPROCESS_MODES, DataConfig
 
 HELP = ("Encode aligned training files with a vocabulary into a prepared folder of "
         "memory-mapped token ids (chunked: memory flat in corpus size); train with "
-        "--set data.prepared=DIR. Running it again with unchanged inputs reuses the folder.")
+        "--set data.prepared=DIR. Running it again with unchanged inputs reuses the folder; "
+        "a prepare that keeps no pair is refused.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the vocabulary (tokenizer.json or its folder, from `aiayn vocab`)")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="the prepared folder (written under a temporary name, renamed when "
-                        "complete)")
+                        "complete; a prepare of the same folder meanwhile waits, then reuses "
+                        "it; an interrupted prepare's leftovers are removed)")
     p.add_argument("--src-lang", default=DataConfig.src_lang,
                    help="source language (data.src_lang)")
     p.add_argument("--tgt-lang", default=DataConfig.tgt_lang,

@@ -17,9 +17,13 @@ files, :attr:`EncodedCorpus.index`'s meaning), ``tokenizer.json`` (the vocabular
 what each filter dropped, the arrays' sizes and a :attr:`Manifest.fingerprint` of it all. The
 layout follows fairseq's ``MMapIndexedDataset`` (a data file and an index), in plain numpy.
 
-The folder is built under a temporary name beside its final one; the manifest is written last
-and the folder renamed into place, so an interrupted or failed prepare (a kill, a full disk)
-never leaves a folder that :meth:`PreparedCorpus.open` takes as complete.
+The folder is built under a temporary name beside its final one (``.NAME.partial-*``); the
+manifest is written last and the folder renamed into place, so an interrupted or failed prepare
+(a kill, a full disk) never leaves a folder that :meth:`PreparedCorpus.open` takes as complete.
+Every prepare holds :func:`output_lock` (an ``flock`` on the output's parent folder, so no lock
+file is left beside the output) from its first check to the rename, and sweeps the temporary
+folders a killed prepare left under that name. The manifest records the machine's byte order;
+a folder is refused where the order differs.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import itertools
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -294,6 +299,11 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         raise DataError(f"{path}: prepared with format version "
                         f"{manifest.get('format_version')}, this aiayn reads {FORMAT_VERSION}: "
                         "run `aiayn prepare` again")
+    # folders from before the order was recorded were all written on little-endian machines
+    order = manifest.get("byteorder", "little")
+    if order != sys.byteorder:
+        raise DataError(f"{path}: the arrays are {order}-endian, this machine is "
+                        f"{sys.byteorder}-endian: run `aiayn prepare` again on this machine")
     return manifest
 
 
@@ -313,12 +323,103 @@ def _inputs_unchanged(manifest: dict[str, Any], paths: tuple[Path, Path]) -> boo
     return True
 
 
+@contextlib.contextmanager
+def output_lock(out_dir: str | Path) -> Iterator[None]:
+    """The one lock of a prepared folder, taken by :func:`prepare` (the CLI's and the training
+    cache's): an exclusive ``flock`` on ``out_dir``'s parent folder, held from the first look
+    at ``out_dir`` to its rename into place.
+
+    On the parent, not on a file: a lock file would be left beside the output (and cannot be
+    removed safely while another process waits on it), and ``out_dir`` itself is replaced by a
+    rename. The kernel drops the lock when its process dies, SIGKILL included, so nothing stale
+    is ever left. The price: prepares into different folders of one parent run one after
+    another. Where the file system refuses a lock on a folder (some network file systems), a
+    ``.NAME.lock`` file beside the output is locked instead and removed on release. Not
+    reentrant: a process must not take it twice.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        yield
+        return
+    parent = Path(out_dir).absolute().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        fd = -1
+    if fd < 0:
+        with _lock_file(parent / f".{Path(out_dir).name}.lock"):
+            yield
+        return
+    try:
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def _lock_file(path: Path) -> Iterator[None]:
+    """``flock`` on ``path``, removed on release; a file removed while this process waited for
+    it is opened again (its lock would exclude nobody)."""
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+
+
+def sweep(out_dir: Path) -> list[str]:
+    """Remove what killed prepares left beside ``out_dir`` (``.NAME.partial-*``, ``.NAME.old-*``);
+    only under :func:`output_lock`, where no live prepare is writing them. Their names."""
+    swept = []
+    if out_dir.parent.is_dir():
+        for p in out_dir.parent.iterdir():
+            if p.name.startswith((f".{out_dir.name}.partial-", f".{out_dir.name}.old-")):
+                shutil.rmtree(p, ignore_errors=True)
+                swept.append(p.name)
+    return swept
+
+
+def no_pair_kept(src: Path, tgt: Path, counts: dict[str, Any], max_len: int,
+                 option: str) -> UserError:
+    """The error of a prepare that keeps no pair, naming the files and the setting to change
+    (``option``: ``--max-len`` for the CLI, ``data.max_len`` for training)."""
+    pairs = counts["lines"] - counts["empty"]
+    where = f"{src} and {tgt}"
+    if pairs == 0:
+        return UserError(f"{where}: no training pairs (every line pair is empty: "
+                         f"{counts['empty']} dropped)")
+    ratio = (f" ({counts['over_ratio']} over the length ratio)" if counts["over_ratio"]
+             else "")
+    sep = " " if option.startswith("--") else "="
+    return UserError(f"{where}: none of the {pairs} training pairs fits {option}{sep}{max_len} "
+                     f"tokens (source or target + EOS){ratio}; raise {option}")
+
+
 def prepare(src: str | Path, tgt: str | Path, vocab: Any, out_dir: str | Path,
             settings: Settings = Settings(), *, chunk_pairs: int = CHUNK_PAIRS,
-            log: Callable[[str], None] | None = None) -> PreparedCorpus:
+            log: Callable[[str], None] | None = None,
+            max_len_option: str = "--max-len") -> PreparedCorpus:
     """Binarize the aligned files ``src``, ``tgt`` into ``out_dir`` (see the module doc), or
     reuse ``out_dir`` when it already holds them: same inputs, vocabulary and settings (a
-    cache hit costs a stat of each input; a sha256 when only a file's time changed).
+    cache hit costs a stat of each input; a sha256 when only a file's time changed). Holds
+    :func:`output_lock` throughout: two prepares of one ``out_dir`` run one after the other
+    (the second reuses the first's folder).
 
     Args:
         src, tgt: line-aligned UTF-8 text files, plain or ``.gz``.
@@ -327,6 +428,7 @@ def prepare(src: str | Path, tgt: str | Path, vocab: Any, out_dir: str | Path,
         settings: languages, preprocessing, filters (:class:`Settings`).
         chunk_pairs: pairs read and encoded at once (memory scales with it).
         log: called with a line of progress and the final counts.
+        max_len_option: the setting named when no pair fits (``data.max_len`` in training).
 
     Returns:
         The prepared corpus, opened.
@@ -334,15 +436,28 @@ def prepare(src: str | Path, tgt: str | Path, vocab: Any, out_dir: str | Path,
     Raises:
         FileNotFoundError: an input does not exist.
         DataError: misaligned inputs, invalid UTF-8 (file and line named), a broken gzip.
-        UserError: ``out_dir`` exists and is neither a prepared corpus nor an empty folder.
+        UserError: ``out_dir`` exists and is neither a prepared corpus nor an empty folder;
+            no pair kept (every pair empty or over ``max_len``): nothing is written.
         OSError: a write failed (a full disk): nothing is left under ``out_dir``'s name but
             what was there before.
     """
-    log = log or (lambda _msg: None)
-    src, tgt, out_dir = Path(src), Path(tgt), Path(out_dir)
+    out_dir = Path(out_dir)
+    with output_lock(out_dir):
+        return _prepare_locked(Path(src), Path(tgt), vocab, out_dir, settings, chunk_pairs,
+                               log or (lambda _msg: None), max_len_option)
+
+
+def _prepare_locked(src: Path, tgt: Path, vocab: Any, out_dir: Path, settings: Settings,
+                    chunk_pairs: int, log: Callable[[str], None],
+                    max_len_option: str) -> PreparedCorpus:
+    """:func:`prepare`, under :func:`output_lock`."""
     for p in (src, tgt):
         if not p.is_file():
             raise FileNotFoundError(f"file not found: {p}")
+    swept = sweep(out_dir)
+    if swept:
+        log(f"aiayn prepare: removed {len(swept)} unfinished folder(s) of an interrupted "
+            f"prepare beside {out_dir}: {', '.join(sorted(swept))}")
     fingerprint = vocab.fingerprint
     if (out_dir / MANIFEST_FILE).is_file():
         with contextlib.suppress(DataError, KeyError, TypeError):
@@ -365,6 +480,8 @@ def prepare(src: str | Path, tgt: str | Path, vocab: Any, out_dir: str | Path,
     tmp.chmod(0o777 & ~umask)  # as mkdir would make it (mkdtemp's 0700 hides it from others)
     try:
         manifest = _build(src, tgt, vocab, tmp, settings, chunk_pairs, log)
+        if manifest["counts"]["kept"] == 0:
+            raise no_pair_kept(src, tgt, manifest["counts"], settings.max_len, max_len_option)
         _publish(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -471,6 +588,7 @@ def _build(src: Path, tgt: Path, vocab: Any, tmp: Path, settings: Settings, chun
                    "kept": kept, "src_tokens": total["src"], "tgt_tokens": total["tgt"]},
         "dtypes": {"ids": id_dt.name, "lengths": len_dt.name, "offsets": "int64",
                    "index": "uint32"},
+        "byteorder": sys.byteorder,  # the arrays' (the machine's): checked by read_manifest
         "seconds": round(time.perf_counter() - t0, 3),
     }
     manifest["fingerprint"] = fingerprint_of(manifest)
@@ -527,7 +645,7 @@ class PreparedCorpus:
                 missing or of another size than the manifest says (truncated); the message
                 names the folder or file.
         """
-        directory = Path(directory)
+        directory = Path(os.path.abspath(directory))
         manifest = read_manifest(directory)
         try:
             counts, dtypes = manifest["counts"], manifest["dtypes"]
@@ -664,52 +782,114 @@ class PreparedCorpus:
 CACHE_SUBDIR = "prepared"
 
 
-def cache_folder(src: Path, tgt: Path, vocab: Any, settings: Settings) -> Path:
-    """Where training prepares raw files: ``$AIAYN_CACHE_DIR/prepared/KEY``, KEY a hash of
-    the files' paths, sizes and times, the vocabulary and the settings (a run, its resume,
-    the members of an ensemble and every rank find one folder)."""
+FULL_HASH_ENV = "AIAYN_CACHE_FULL_HASH"  # 1: key cache entries on the inputs' whole sha256
+CACHE_LIMIT_ENV = "AIAYN_CACHE_MAX_GB"  # the cache's size limit; 0: none
+CACHE_LIMIT_GB = 50.0
+ENDS_BYTES = 1 << 20  # the key hashes a file's first and last MiB
+
+
+def content_key(path: Path, full: bool = False) -> str:
+    """A key of ``path``'s bytes, not of its name or time: its size and the sha256 of its first
+    and last MiB (of all of it when ``full`` or when it is no longer than 2 MiB). A ``touch``
+    or a copy elsewhere keeps the key; an edit of the middle that keeps the size does not change
+    it, but :func:`prepare` then finds the file's sha256 changed and prepares anew."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if full or size <= 2 * ENDS_BYTES:
+            while block := f.read(1 << 22):
+                digest.update(block)
+        else:
+            digest.update(f.read(ENDS_BYTES))
+            f.seek(size - ENDS_BYTES)
+            digest.update(f.read(ENDS_BYTES))
+    return f"{size}:{'all' if full or size <= 2 * ENDS_BYTES else 'ends'}:{digest.hexdigest()}"
+
+
+def cache_folder(src: Path, tgt: Path, vocab: Any, settings: Settings,
+                 full_hash: bool | None = None) -> Path:
+    """Where training prepares raw files: ``$AIAYN_CACHE_DIR/prepared/KEY``, KEY a hash of the
+    files' :func:`content_key` (with ``full_hash``, default ``$AIAYN_CACHE_FULL_HASH=1``, of
+    their whole bytes), the vocabulary and the settings: a run, its resume, the members of an
+    ensemble and every rank find one folder, and a ``touch`` of an input does not move it."""
     from aiayn.data.corpus import cache_dir
 
-    key = json.dumps({"inputs": [_stat(src), _stat(tgt)], "vocabulary": vocab.fingerprint,
-                      "settings": settings.to_dict(), "format_version": FORMAT_VERSION},
-                     sort_keys=True)
+    if full_hash is None:
+        full_hash = os.environ.get(FULL_HASH_ENV, "") not in ("", "0")
+    key = json.dumps({"inputs": [content_key(src, full_hash), content_key(tgt, full_hash)],
+                      "vocabulary": vocab.fingerprint, "settings": settings.to_dict(),
+                      "format_version": FORMAT_VERSION}, sort_keys=True)
     return cache_dir() / CACHE_SUBDIR / hashlib.sha256(key.encode("utf-8")).hexdigest()[:24]
 
 
-@contextlib.contextmanager
-def _cache_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock on a cache entry (``flock`` on ``.NAME.lock`` beside it), held while
-    it is checked and, if need be, prepared; without ``fcntl`` (not POSIX) no lock."""
+def cache_limit_bytes() -> int:
+    """``$AIAYN_CACHE_MAX_GB`` (default 50) in bytes; 0: no limit.
+
+    Raises:
+        UserError: not a number >= 0.
+    """
+    text = os.environ.get(CACHE_LIMIT_ENV, "")
     try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not POSIX
-        yield
-        return
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.with_name(f".{folder.name}.lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        gb = float(text) if text else CACHE_LIMIT_GB
+    except ValueError:
+        gb = -1.0
+    if not gb >= 0:
+        raise UserError(f"{CACHE_LIMIT_ENV}={text!r}: not a size in GB (a number >= 0; 0: no "
+                        "limit)")
+    return int(gb * 1e9)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+
+
+def evict(keep: Path, limit: int) -> list[Path]:
+    """Remove the cache entries beside ``keep`` least recently used first (a folder's time is
+    set on each use) until the entries, ``keep`` included, hold at most ``limit`` bytes; and
+    what killed prepares left there. Never ``keep``. Only under :func:`output_lock` of
+    ``keep`` (the lock of every entry: they share the parent). A process that has an evicted
+    entry mapped reads on (the files go when it unmaps them). The entries removed."""
+    entries, total, gone = [], _folder_bytes(keep), []
+    for p in keep.parent.iterdir():
+        if p.name.startswith(".") and (".partial-" in p.name or ".old-" in p.name):
+            shutil.rmtree(p, ignore_errors=True)  # no live prepare writes them: we hold the lock
+        elif p != keep and p.is_dir() and not p.name.startswith("."):
+            size = _folder_bytes(p)
+            entries.append((p.stat().st_mtime_ns, p.name, p, size))
+            total += size
+    for _, _, p, size in sorted(entries):
+        if not limit or total <= limit:
+            break
+        shutil.rmtree(p, ignore_errors=True)
+        total -= size
+        gone.append(p)
+    return gone
 
 
 def prepare_for_training(src: Path, tgt: Path, vocab: Any, settings: Settings, info: Any,
                          log: Callable[[str], None]) -> PreparedCorpus:
     """The raw training files prepared (or found prepared) in :func:`cache_folder`: the main
-    process prepares, the others wait for it and map its folder.
+    process prepares, the others wait for it and map its folder. The cache is then trimmed to
+    :func:`cache_limit_bytes`, least recently used entries first (:func:`evict`).
 
     Raises:
-        see :func:`prepare`.
+        see :func:`prepare` (no pair kept names ``data.max_len``); UserError: a bad
+        ``$AIAYN_CACHE_MAX_GB``.
     """
     folder = cache_folder(src, tgt, vocab, settings)
     corpus = None
     if info.is_main:
+        limit = cache_limit_bytes()
         # runs started side by side (Table 3's rows, an ensemble's members) share the entry:
-        # one prepares it, the others wait here and reuse it (never one replacing it under
-        # another that is opening it)
-        with _cache_lock(folder):
-            corpus = prepare(src, tgt, vocab, folder, settings, log=log)
+        # one prepares it, the others wait on the lock and reuse it (never one replacing it
+        # under another that is opening it)
+        with output_lock(folder):
+            corpus = _prepare_locked(src, tgt, vocab, folder, settings, CHUNK_PAIRS, log,
+                                     "data.max_len")
+            os.utime(folder)  # its last use, for evict
+            for p in evict(folder, limit):
+                log(f"aiayn train: removed the prepared cache entry {p} (least recently used; "
+                    f"the cache holds at most {limit / 1e9:g} GB, ${CACHE_LIMIT_ENV})")
     if info.world_size > 1:
         import torch.distributed as dist
 

@@ -22,6 +22,14 @@ from torch import Tensor
 # loss took 204 ms a step at 2**20 logits a chunk, 52 at 2**22, 25 at 2**24, 20 at 2**26.
 _CHUNK_ELEMENTS = 2**20
 _CHUNK_ELEMENTS_CUDA = 2**26
+# on a CPU the output layer's gradient is made this many logits at a time (64 MiB of float32),
+# then folded into the gradients of x, W and b: the (n, V) gradient of a 3,125-token batch at
+# V = 37,000 would hold 460 MB in every training process (four processes on a 4.5M-pair WMT
+# corpus, docs/benchmarks.md). The fused loss's forward and backward at 3,125 tokens and that V
+# took 0.90x (d_model 64) and 1.03x (d_model 512) the CPU time of one block (one thread, min of
+# 4, process CPU time; bf16 class, a busy machine). On CUDA the whole (n, V) gradient is made
+# at once (one product each; the GPU's memory is not the limit there).
+_GRAD_BLOCK_ELEMENTS = 2**24
 
 
 def _smoothed_chunk(logits: Tensor, gold: Tensor, epsilon_ls: float, grad_scale: float,
@@ -214,10 +222,11 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
 
     For each chunk of ``rows`` hidden states, logits = x W^T + b are made in a (rows, V) scratch
     that stays in cache, the loss terms and ``softmax - q`` are taken from it as in
-    :class:`_SmoothedCrossEntropy`, and that gradient goes into a (n, V) workspace reused from
-    one call to the next. Two matrix products after the loop give the gradients of x and W, so
-    no (n, V) logits tensor is ever allocated or read back from memory, and the workspace's
-    pages are touched once per process instead of being mapped afresh every step.
+    :class:`_SmoothedCrossEntropy`, and that gradient goes into a (m, V) workspace reused from
+    one call to the next, m = n on CUDA, at most ``_GRAD_BLOCK_ELEMENTS / V`` rows on a CPU.
+    Two matrix products after each block of m rows give (or add to) the gradients of x and W,
+    so no (n, V) logits tensor is ever allocated or read back from memory, and the
+    workspace's pages are touched once per process instead of being mapped afresh every step.
     """
 
     @staticmethod
@@ -225,22 +234,69 @@ class _ProjectedSmoothedCrossEntropy(torch.autograd.Function):
                 epsilon_ls: float, grad_scale: float) -> tuple[Tensor, Tensor]:
         acc = torch.promote_types(x.dtype, torch.float32)
         n, vocab = x.shape[0], weight.shape[0]
-        grad = _workspace(n * vocab, x.dtype, x.device)[: n * vocab].view(n, vocab) \
-            if _wants_grad(ctx, bias) else None
+        want = _wants_grad(ctx, bias)
+        block = n if x.device.type == "cuda" or not want else \
+            min(n, max(_chunk_rows(vocab, x.device), _GRAD_BLOCK_ELEMENTS // vocab))
+        grad = _workspace(block * vocab, x.dtype, x.device)[: block * vocab].view(block, vocab) \
+            if want else None
         w_t = weight.t()
-        rows = min(n, _chunk_rows(vocab, x.device))
+        rows = min(block, _chunk_rows(vocab, x.device)) or 1
         scratch = torch.empty(rows, vocab, dtype=x.dtype, device=x.device)
         with torch.autocast(x.device.type, enabled=False):
-            nll_sum, smooth_sum = _chunked_loss(
-                n, vocab, lambda lo, hi: _project(x, w_t, bias, lo, hi, scratch[: hi - lo]),
-                gold, epsilon_ls, 1.0, acc, grad)
-            ctx.grads = _output_layer_grads(ctx, grad, x, weight, bias, grad_scale)
+            if block >= n:  # one block: the gradient of every row at once
+                nll_sum, smooth_sum = _chunked_loss(
+                    n, vocab, lambda lo, hi: _project(x, w_t, bias, lo, hi, scratch[: hi - lo]),
+                    gold, epsilon_ls, 1.0, acc, grad)
+                ctx.grads = _output_layer_grads(ctx, grad, x, weight, bias, grad_scale)
+            else:
+                nll_sum, smooth_sum, ctx.grads = _blocked_output_layer(
+                    ctx, x, weight, bias, w_t, gold, epsilon_ls, grad_scale, acc, grad, scratch)
         ctx.mark_non_differentiable(nll_sum)
         return _combine(nll_sum, smooth_sum, epsilon_ls), nll_sum
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor, _grad_nll: Tensor):
         return _stored_grads(ctx, grad_loss, 3)
+
+
+def _blocked_output_layer(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, w_t: Tensor,
+                         gold: Tensor, epsilon_ls: float, grad_scale: float,
+                         acc: torch.dtype, grad: Tensor, scratch: Tensor) -> tuple:
+    """:class:`_ProjectedSmoothedCrossEntropy`'s forward over blocks of ``len(grad)`` rows:
+    the loss sums, and the gradients of x (rows of each block), W and b (summed over the
+    blocks in ``acc``, float32 at least), each times ``grad_scale``."""
+    n, vocab = x.shape[0], weight.shape[0]
+    block = grad.shape[0]
+    gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+    gw = torch.zeros(weight.shape, dtype=acc, device=x.device) \
+        if ctx.needs_input_grad[1] else None
+    gb = torch.zeros(vocab, dtype=acc, device=x.device) \
+        if bias is not None and ctx.needs_input_grad[2] else None
+    nll_sum = torch.zeros((), dtype=acc, device=x.device)
+    smooth_sum = torch.zeros((), dtype=acc, device=x.device)
+    for start in range(0, n, block):
+        end = min(n, start + block)
+        g = grad[: end - start]
+        nll, smooth = _chunked_loss(
+            end - start, vocab,
+            lambda lo, hi, s=start: _project(x, w_t, bias, s + lo, s + hi, scratch[: hi - lo]),
+            gold[start:end], epsilon_ls, 1.0, acc, g)
+        nll_sum += nll
+        smooth_sum += smooth
+        if gx is not None:
+            torch.mm(g, weight, out=gx[start:end])
+        if gw is not None:
+            if acc == x.dtype:
+                gw.addmm_(g.t(), x[start:end])  # in place: no (V, d) temporary
+            else:  # bf16 products (autocast), summed in float32
+                gw += g.t() @ x[start:end]
+        if gb is not None:
+            gb += g.sum(0, dtype=acc)
+    grads = (gx, None if gw is None else gw.to(weight.dtype),
+             None if gb is None else gb.to(bias.dtype))
+    if grad_scale != 1.0:
+        grads = tuple(None if t is None else t.mul_(grad_scale) for t in grads)
+    return nll_sum, smooth_sum, grads
 
 
 _workspaces: dict[tuple[torch.dtype, torch.device], Tensor] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -454,8 +455,12 @@ def run_training(
                                            config.train.accum_steps)
     if per_process != config.data.max_tokens:  # the run's config.json records what it used
         config = config.replace(data=dataclasses.replace(config.data, max_tokens=per_process))
+    if config.data.prepared:  # recorded absolute: a resume from another folder finds it
+        config = config.replace(data=dataclasses.replace(
+            config.data, prepared=os.path.abspath(config.data.prepared)))
     vocab, train, train_text = training_data(config, vocab, vocab_path, run_dir, resume, info,
                                              log, early_text, early_vocab)
+    early_text = None  # the text the vocabulary was learned from; train_text keeps what it needs
     if start_model is None and not resume:
         config = sized_to(config, vocab)
     valid_corpus = load_split(config.data, "valid")
