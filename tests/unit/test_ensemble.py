@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from aiayn.config import load_config
 from aiayn.data.batching import pad_sources
 from aiayn.data.vocab import BOS_ID, EOS_ID, Vocabulary
-from aiayn.decoding import CachedStep, EnsembleStep
+from aiayn.decoding import CachedStep, EnsembleStep, StepFunction
 from aiayn.translator import Translator
 from aiayn.model import Transformer
 
@@ -77,7 +77,7 @@ def test_ensemble_step_is_the_log_of_the_mean_probability(members, vocab):
 
 
 def test_a_token_one_member_forbids_keeps_the_others_share():
-    class Fixed:
+    class Fixed(StepFunction):
         start_id = BOS_ID
 
         def __init__(self, logits):

@@ -14,7 +14,7 @@ import torch
 
 from aiayn.data.vocab import EOS_ID
 from aiayn.decoding import translate_nbest
-from aiayn.decoding.search import EnsembleStep, same_columns
+from aiayn.decoding.search import EnsembleStep, StepFunction, same_columns
 from aiayn.model.quantize import quantize_int8
 from aiayn.config import DecodeConfig
 
@@ -69,7 +69,7 @@ def test_compact_decoding_finds_the_tokens_of_the_full_map(trained, beam_size):
 
 
 def test_an_ensemble_step_refuses_members_scoring_different_columns():
-    class Step:
+    class Step(StepFunction):
         start_id = 1
 
         def __init__(self, ids):
