@@ -125,13 +125,15 @@ def test_ensemble_translations_score_the_mean_probability(members, vocab):
 
 
 def test_an_int8_ensemble_decodes_each_member_quantized(members, vocab):
+    from aiayn.model.engine import Int8Transformer
+
     # every member gets its own int8 copy; the float members are left as they were
     translator = Translator(members, vocab, precision="int8")
     out = translator.generate(LINES, beam_size=4, max_len_b=8)
     copies = translator.decoding_models
     assert len(copies) == len(members) and all(c is not m for c, m in zip(copies, members))
-    assert all(c.output_projection is not None for c in copies)
-    assert all(m.output_projection is None for m in members)
+    assert all(isinstance(c, Int8Transformer) for c in copies)
+    assert not any(isinstance(m, Int8Transformer) for m in members)
     # an ensemble of the int8 copies, decoded at fp32, is the same search: the same outputs
     again = Translator(copies, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8)
     assert [r[0].tokens for r in out] == [r[0].tokens for r in again]
