@@ -393,7 +393,11 @@ class Transformer(nn.Module):
         logits = model(src, tgt_in)                      # training, teacher forcing
         memory, src_mask = model.encode(src)             # decoding
         cache = model.start_cache(memory, src_mask)      # cross-attention K/V computed once
-        logits = model.decode_step(tokens, cache)        # (B, V) for the next token
+        logits = model.decode_step(tokens, cache)        # (B, t_new, V); [:, -1] is next
+
+    This is the paper's model in torch and nothing else. Decoding on a CPU runs it through
+    :mod:`aiayn.model.engine` (the same encode / start_cache / decode_step, in aiayn's
+    compiled CPU code, or an int8 copy's), which reads this model's weights and changes nothing.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -459,15 +463,6 @@ class Transformer(nn.Module):
         bias = torch.full_like(self.final_logits_bias, float("-inf"))
         bias[ids.to(bias.device)] = 0.0
         self.final_logits_bias.copy_(bias)
-
-    def output_map(self, token_ids: Tensor) -> nn.Module:
-        """The pre-softmax map onto ``token_ids`` (long (k,)) only, for a vocabulary
-        shortlist (:mod:`aiayn.decoding.shortlist`): (…, d_model) -> (…, k), column j giving
-        token ``token_ids[j]`` the logit :meth:`project` gives it (within float rounding).
-        The final LayerNorm of a pre-norm stack is not in it (:meth:`decode_step` applies
-        it)."""
-        bias = None if self.final_logits_bias is None else self.final_logits_bias[token_ids]
-        return OutputRows(self.tgt_embed.weight[token_ids], bias)
 
     def output_token_ids(self, fixed: int) -> Tensor | None:
         """The tokens the output layer can produce, as long (V',) ids in increasing order, with
@@ -619,19 +614,6 @@ class Transformer(nn.Module):
             x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i)
         cache.advance(tokens.shape[1])
         return self.project(x)
-
-
-class OutputRows(nn.Module):
-    """``y = x W^T + b`` over some rows of the tied output matrix (:meth:`Transformer.
-    output_map`): weight (k, d_model), bias (k,) or None."""
-
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 def count_parameters(model: nn.Module) -> int:
