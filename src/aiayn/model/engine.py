@@ -124,7 +124,7 @@ class CpuEngine(nn.Module):
         self.encoder_qkv = nn.ModuleList(qkv[0]) if qkv is not None else [None] * N
         self.decoder_qkv = nn.ModuleList(qkv[1]) if qkv is not None else [None] * N
         self.cache_dtype = cache_dtype
-        self.train(model.training)  # the model's mode (the engine has none of its own)
+        self.training = model.training  # the model's mode (.train() walks the model: not here)
 
     # --- the protocol ---------------------------------------------------------------------
 
