@@ -126,6 +126,7 @@ def main() -> int:
     from aiayn.data.splits import load_split
     from aiayn.decoding import DecodeStats
     from aiayn.evaluation.bleu import bleu_protocol, corpus_bleu
+    from aiayn.model.engine import Int8Transformer
     from aiayn.interop.ctranslate2 import export_ctranslate2
     from aiayn.rundir import model_paths
     from aiayn.translator import Translator
@@ -215,15 +216,15 @@ def main() -> int:
             translator.shortlist = None
             record("aiayn default, shortlist", seconds, ids, row_steps=steps)
         compact = [m for m in translator.decoding_models
-                   if getattr(m, "step_projection", None) is not None]
+                   if isinstance(m, Int8Transformer) and m.compact_token_ids is not None]
         if compact and "aiayn-full-columns" not in args.skip:
             # the compact output map's lever alone: the same path over every column
-            kept = [(m.step_projection, m.step_token_ids) for m in compact]
+            kept = [m._compact_ids for m in compact]
             for m in compact:
-                m.step_projection = m.step_token_ids = None
+                m._compact_ids = None
             seconds, ids, steps = run_aiayn(translator)
-            for m, (proj, tok) in zip(compact, kept):
-                m.step_projection, m.step_token_ids = proj, tok
+            for m, ids_kept in zip(compact, kept):
+                m._compact_ids = ids_kept
             record("aiayn default, all columns", seconds, ids, row_steps=steps)
         if args.threads >= 2 and "aiayn-workers" not in args.skip:
             seconds, ids, steps = run_aiayn(translator, workers=args.threads)

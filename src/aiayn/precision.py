@@ -195,6 +195,7 @@ def _probe_int8_step(model: ModelConfig, threads: int) -> float:
     import torch
 
     from aiayn.model import Transformer, kernels
+    from aiayn.model.engine import as_engine
     from aiayn.model.quantize import quantize_int8
 
     cfg = dataclasses.replace(model, vocab_size=min(model.target_vocab_size, STEP_PROBE_VOCAB),
@@ -211,7 +212,7 @@ def _probe_int8_step(model: ModelConfig, threads: int) -> float:
     tokens = torch.randint(3, cfg.vocab_size, (T, B * K, 1), generator=gen)
     seconds = []
     with torch.no_grad():
-        for m in (fp32, int8):
+        for m in (as_engine(fp32), int8):  # each as decoding runs it
             memory, mask = m.encode(src)
             memory, mask = memory.repeat_interleave(K, 0), mask.repeat_interleave(K, 0)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from aiayn.config import load_config
 from aiayn.data.batching import pad_sources
 from aiayn.data.vocab import BOS_ID, EOS_ID, Vocabulary
-from aiayn.decoding import CachedStep, EnsembleStep
+from aiayn.decoding import CachedStep, EnsembleStep, StepFunction
 from aiayn.translator import Translator
 from aiayn.model import Transformer
 
@@ -77,7 +77,7 @@ def test_ensemble_step_is_the_log_of_the_mean_probability(members, vocab):
 
 
 def test_a_token_one_member_forbids_keeps_the_others_share():
-    class Fixed:
+    class Fixed(StepFunction):
         start_id = BOS_ID
 
         def __init__(self, logits):
@@ -125,13 +125,15 @@ def test_ensemble_translations_score_the_mean_probability(members, vocab):
 
 
 def test_an_int8_ensemble_decodes_each_member_quantized(members, vocab):
+    from aiayn.model.engine import Int8Transformer
+
     # every member gets its own int8 copy; the float members are left as they were
     translator = Translator(members, vocab, precision="int8")
     out = translator.generate(LINES, beam_size=4, max_len_b=8)
     copies = translator.decoding_models
     assert len(copies) == len(members) and all(c is not m for c, m in zip(copies, members))
-    assert all(c.output_projection is not None for c in copies)
-    assert all(m.output_projection is None for m in members)
+    assert all(isinstance(c, Int8Transformer) for c in copies)
+    assert not any(isinstance(m, Int8Transformer) for m in members)
     # an ensemble of the int8 copies, decoded at fp32, is the same search: the same outputs
     again = Translator(copies, vocab, precision="fp32").generate(LINES, beam_size=4, max_len_b=8)
     assert [r[0].tokens for r in out] == [r[0].tokens for r in again]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_search import SOURCES, encode_src, tiny_model  # tests/unit is on sys.path
 
-from aiayn.decoding import CachedStep, UncachedStep, beam_search, greedy_search
+from aiayn.decoding import CachedStep, StepFunction, UncachedStep, beam_search, greedy_search
 from aiayn.model.quantize import Int8Linear, quantize_int8
 
 
@@ -294,16 +294,16 @@ def test_the_fused_int8_step_gives_the_layers_numbers(model, beam_size, reserve)
     and scores, bit for bit, as the layers' own modules, with beams reordered, sentences
     finishing at different lengths and (without a reservation) the cache's buffers growing."""
     q = quantize_int8(model)
-    fused = q.int8_step
+    fused = q.fused_step
     assert fused is not None
     before = fused.steps
     got = _encode_and_search(q, beam_size, reserve)[2]
     assert fused.steps > before  # it ran
-    q.int8_step = None  # the layers' own modules
+    q.fused_step = None  # the layers' own modules
     try:
         ref = _encode_and_search(q, beam_size, reserve)[2]
     finally:
-        q.int8_step = fused
+        q.fused_step = fused
     assert got == ref
 
 
@@ -326,17 +326,17 @@ def test_the_fused_int8_step_leaves_recording_to_the_layers():
     """Recording attention weights needs the layers' modules: the fused step steps aside
     (the cache untouched) and the layers run and record."""
     q = quantize_int8(tiny_model(60, seed=3))
-    attn = q.decoder[0].cross_attn
+    attn = q.model.decoder[0].cross_attn
     with torch.no_grad():
         step = CachedStep.start(q, *encode_src(q, SOURCES), 4)
         step(torch.ones(4, dtype=torch.long))
-        assert q.int8_step.steps == 1
+        assert q.fused_step.steps == 1
         attn.record_weights = True
         try:
             step(torch.ones(4, dtype=torch.long))
         finally:
             attn.record_weights = False
-    assert q.int8_step.steps == 1 and attn.weights is not None
+    assert q.fused_step.steps == 1 and attn.weights is not None
     assert step.cache.length == 2
 
 
@@ -345,18 +345,18 @@ def test_the_fused_int8_encoder_gives_the_layers_numbers_at_every_real_position(
     memory is the layers' own, bit for bit, for sentences of different lengths (padding
     between them in the batch), and the searches' tokens and scores follow unchanged."""
     q = quantize_int8(model)
-    fused = q.int8_encoder
+    fused = q.fused_encoder
     assert fused is not None
     before = fused.calls
     memory, mask, hyps = _encode_and_search(q, beam_size=3)
     assert fused.calls == before + 1  # it ran
     assert not mask.all()  # the batch holds padding
     assert torch.equal(memory[~mask], torch.zeros_like(memory[~mask]))
-    q.int8_encoder = None  # the layers' own modules
+    q.fused_encoder = None  # the layers' own modules
     try:
         ref_memory, ref_mask, ref_hyps = _encode_and_search(q, beam_size=3)
     finally:
-        q.int8_encoder = fused
+        q.fused_encoder = fused
     assert torch.equal(mask, ref_mask)
     assert torch.equal(memory[mask], ref_memory[mask])
     assert hyps == ref_hyps
@@ -366,11 +366,11 @@ def test_the_fused_int8_encoder_leaves_recording_to_the_layers():
     """Recording the encoder's attention weights needs the layers' modules: the fused
     encoder steps aside."""
     q = quantize_int8(tiny_model(60, seed=3))
-    attn = q.encoder[0].self_attn
+    attn = q.model.encoder[0].self_attn
     attn.record_weights = True
     with torch.no_grad():
         encode_src(q, SOURCES)
-    assert q.int8_encoder.calls == 0 and attn.weights is not None
+    assert q.fused_encoder.calls == 0 and attn.weights is not None
 
 
 def test_greedy_search_chooses_as_before_through_the_greedy_kernel(model, monkeypatch):
@@ -384,7 +384,7 @@ def test_greedy_search_chooses_as_before_through_the_greedy_kernel(model, monkey
         pytest.skip("numba is not installed")
     q = quantize_int8(model)
 
-    class LogProbsOnly:  # the same step without its greedy method
+    class LogProbsOnly(StepFunction):  # the same step with the protocol's default greedy
         def __init__(self, step):
             self.step, self.start_id, self.token_ids = step, step.start_id, step.token_ids
 

@@ -84,6 +84,8 @@ def test_attend_is_eq1_over_each_rows_own_keys(group, Tq, causal_from, layout):
 
 
 def test_attention_module_uses_the_kernel_and_matches_sdpa():
+    from aiayn.model.engine import _attention  # the engine's pass over the module
+
     torch.manual_seed(1)
     mha = MultiHeadAttention(32, 4, 8, 8).eval()
     x, mem = torch.randn(6, 1, 32), torch.randn(2, 5, 32)
@@ -91,7 +93,7 @@ def test_attention_module_uses_the_kernel_and_matches_sdpa():
     with torch.no_grad():
         kv = mha.project_kv(mem)
         sdpa = mha(x, kv, mask[:, None, None, :], group=3)
-        kernel = mha(x, kv, mask[:, None, None, :], group=3, key_len=mask.sum(1))
+        kernel = _attention(mha, x, kv, mask[:, None, None, :], group=3, key_len=mask.sum(1))
     torch.testing.assert_close(kernel, sdpa, atol=1e-5, rtol=1e-5)
 
 
@@ -566,14 +568,14 @@ def test_a_bf16_cache_is_written_as_torch_rounds_and_read_exactly(D):
 def test_the_greedy_kernel_is_log_softmax_then_the_length_rules_then_argmax():
     """kernels.rescale_greedy against the long way round: the output layer's log-probabilities
     (the same sums through _rescale_log_softmax), greedy search's own length rules
-    (search._log_probs), then argmax and gather. The same column and the same float32, bit
+    (search.LengthRules), then argmax and gather. The same column and the same float32, bit
     for bit, on rows built to be hard: the maximum on a banned column, exact ties, near ties
     that the subtraction of the log-sum-exp rounds into ties (the first column must win
     there, not the larger logit), -inf entries, rows of nothing but -inf where they may
     choose, and every combination of EOS banned (t < min_len) and EOS forced (t at the
     limit). A NaN or an infinite maximum hands the row back (None)."""
     from aiayn.data.vocab import EOS_ID
-    from aiayn.decoding.search import _log_probs
+    from aiayn.decoding.search import LengthRules, SearchState
 
     gen = torch.Generator().manual_seed(11)
     M, V = 64, 300
@@ -607,9 +609,11 @@ def test_the_greedy_kernel_is_log_softmax_then_the_length_rules_then_argmax():
             assert kernels._rescale_greedy(acc, x_scale, ones, ones, False, EOS_ID, eos_banned,
                                            eos_only, column, value)
             t = 5
-            want = _log_probs(torch.from_numpy(out.copy()), t,
-                              torch.where(torch.from_numpy(eos_only), t, t + 3),
-                              t + 1 if banned else 0)
+            state = SearchState(t, torch.where(torch.from_numpy(eos_only), t, t + 3))
+            rules = LengthRules(t + 1 if banned else 0)
+            assert all(np.array_equal(a, b) for a, b in
+                       zip(rules.eos_masks(state), (np.full(M, bool(banned)), eos_only)))
+            want = rules(torch.from_numpy(out.copy()), state)
             col = want.argmax(dim=1)
             assert torch.equal(torch.from_numpy(column), col)
             assert torch.equal(torch.from_numpy(value), want.gather(1, col[:, None])[:, 0])

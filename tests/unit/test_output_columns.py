@@ -1,5 +1,5 @@
 """Decoding scores only the tokens a model can produce (``Transformer.output_token_ids``,
-the int8 copy's ``step_projection``): on a model trained with a target-only output layer, the
+the int8 copy's ``compact_token_ids``): on a model trained with a target-only output layer, the
 searches find the same tokens as over the whole vocabulary, with the same scores within float
 tolerance, alone and in an ensemble."""
 
@@ -14,7 +14,7 @@ import torch
 
 from aiayn.data.vocab import EOS_ID
 from aiayn.decoding import translate_nbest
-from aiayn.decoding.search import EnsembleStep, same_columns
+from aiayn.decoding.search import EnsembleStep, StepFunction, same_columns
 from aiayn.model.quantize import quantize_int8
 from aiayn.config import DecodeConfig
 
@@ -45,7 +45,7 @@ def test_a_model_without_a_banned_token_has_no_compact_map(trained):
 
     plain = Transformer(full)
     assert plain.output_token_ids(EOS_ID + 1) is None
-    assert quantize_int8(plain, step_fixed_ids=EOS_ID + 1).step_projection is None
+    assert quantize_int8(plain, step_fixed_ids=EOS_ID + 1).compact_token_ids is None
 
 
 @pytest.mark.parametrize("beam_size", [1, 4])
@@ -53,7 +53,7 @@ def test_compact_decoding_finds_the_tokens_of_the_full_map(trained, beam_size):
     model, vocab, lines = trained
     compact = quantize_int8(model, step_fixed_ids=EOS_ID + 1)
     full = quantize_int8(model)
-    assert compact.step_token_ids is not None and full.step_token_ids is None
+    assert compact.compact_token_ids is not None and full.compact_token_ids is None
     decode = DecodeConfig(beam_size=beam_size, alpha=0.6, max_len_a=1.0, max_len_b=10)
     a = translate_nbest(compact, vocab, lines, decode)
     b = translate_nbest(full, vocab, lines, decode)
@@ -69,7 +69,7 @@ def test_compact_decoding_finds_the_tokens_of_the_full_map(trained, beam_size):
 
 
 def test_an_ensemble_step_refuses_members_scoring_different_columns():
-    class Step:
+    class Step(StepFunction):
         start_id = 1
 
         def __init__(self, ids):

@@ -17,6 +17,7 @@ from aiayn.decoding import (
     CachedStep,
     InputTooLongError,
     SamplingConfig,
+    StepFunction,
     UncachedStep,
     beam_search,
     greedy_search,
@@ -28,7 +29,7 @@ from aiayn.translator import Translator
 A, B_ = 4, 5  # the two ordinary tokens of the stub vocabulary (V = 6)
 
 
-class StubStep:
+class StubStep(StepFunction):
     """Step function whose next-token distribution is a hand-set table keyed by the prefix."""
 
     start_id = BOS_ID
@@ -178,7 +179,7 @@ SOURCES = [[5, 9, 12, 30, EOS_ID], [7, EOS_ID], [40, 41, 42, 43, 44, 45, 46, 47,
            [11, 11, EOS_ID]]
 
 
-class RandomStep:
+class RandomStep(StepFunction):
     """A step function with random but fixed next-token logits per prefix (seeded)."""
 
     start_id = BOS_ID

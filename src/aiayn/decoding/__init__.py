@@ -5,7 +5,10 @@ from aiayn.decoding.search import (
     DecodeStats,
     EnsembleStep,
     Hypothesis,
+    LengthRules,
     SamplingConfig,
+    ScoreProcessor,
+    SearchState,
     StepFunction,
     UncachedStep,
     beam_search,
@@ -22,8 +25,8 @@ from aiayn.decoding.translate import (
 )
 
 __all__ = [
-    "CachedStep", "DecodeStats", "EnsembleStep", "Hypothesis", "InputTooLongError", "SamplingConfig",
-    "StepFunction",
+    "CachedStep", "DecodeStats", "EnsembleStep", "Hypothesis", "InputTooLongError", "LengthRules",
+    "SamplingConfig", "ScoreProcessor", "SearchState", "StepFunction",
     "Translation", "UncachedStep", "beam_search", "check_ensemble", "encode_sources",
     "greedy_search", "length_penalty", "max_output_lengths", "translate_nbest",
 ]

@@ -4,6 +4,12 @@ The searches never see the model. They drive a *step function*: an object that m
 token of every live row to next-token logits, and that can keep or reorder its rows. The model's
 incremental key/value cache is one such object (:class:`CachedStep`); the same weights without
 the cache (:class:`UncachedStep`, for tests and benchmarks) and hand-written stubs are others.
+Every one subclasses the declared protocol, :class:`StepFunction`, whose log-probabilities and
+greedy choice have default implementations a step may replace with faster ones.
+
+Rules over the scores (the length rules, and any the caller adds) are :class:`ScoreProcessor`
+objects the search applies, as Hugging Face's ``LogitsProcessor``s: the model and the steps
+know nothing of them.
 
 Shape legend: B sentences, K beam size, n live rows, V vocabulary, t tokens generated so far.
 
@@ -15,6 +21,7 @@ in EOS and its score includes the EOS probability. PAD and BOS are never generat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,31 +31,122 @@ from torch import Tensor
 
 from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID
 from aiayn.model import kernels
+from aiayn.model.engine import as_engine
 
 NEG_INF = float("-inf")
 
 
+@dataclass(frozen=True)
+class SearchState:
+    """Where a search stands at a step, what score processors read.
+
+    Attributes:
+        t: tokens generated so far (the step scores token t + 1).
+        max_lens: long (n,), the tokens each live row may generate before its forced EOS.
+    """
+
+    t: int
+    max_lens: Tensor
+
+
+class ScoreProcessor(Protocol):
+    """A rule over next-token scores, as Hugging Face's ``LogitsProcessor``: it takes the
+    live rows' float32 log-probabilities (n, V') and the :class:`SearchState`, and returns
+    them with the rule applied (it may change them in place). Columns are the step
+    function's (``token_ids``); columns 0-2 are PAD, BOS and EOS. A new search rule (a
+    repetition penalty, a constraint) is a new processor, not a change to the model or the
+    steps."""
+
+    def __call__(self, logp: Tensor, state: SearchState) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class LengthRules:
+    """The searches' length rules, one :class:`ScoreProcessor`: PAD and BOS are banned; EOS
+    is banned while t < ``min_len``; rows with t >= ``max_lens`` may only take EOS, at its
+    own log-probability (or at 0 with ``free_forced_eos``, as Hugging Face's
+    ``forced_eos_token_id`` does). A step may apply them in its own kernel
+    (:meth:`eos_masks`; :meth:`CachedStep.greedy`).
+    """
+
+    min_len: int = 0
+    free_forced_eos: bool = False
+
+    def __call__(self, logp: Tensor, state: SearchState) -> Tensor:
+        logp[:, PAD_ID] = NEG_INF
+        logp[:, BOS_ID] = NEG_INF
+        if state.t < self.min_len:
+            logp[:, EOS_ID] = NEG_INF
+        at_max = state.t >= state.max_lens
+        if bool(at_max.any()):
+            eos = logp[:, EOS_ID].clone()
+            logp[at_max] = NEG_INF
+            logp[at_max, EOS_ID] = 0.0 if self.free_forced_eos else eos[at_max]
+        return logp
+
+    def eos_masks(self, state: SearchState) -> tuple[np.ndarray, np.ndarray] | None:
+        """The rules as :func:`aiayn.model.kernels.rescale_greedy` takes them: (EOS banned,
+        EOS only), bool numpy (n,) each, with PAD and BOS (the columns before EOS) banned;
+        None where the kernel cannot apply them (a forced EOS for free, lengths off the
+        CPU)."""
+        if self.free_forced_eos or not state.max_lens.is_cpu:
+            return None
+        n = state.max_lens.shape[0]
+        return np.full(n, state.t < self.min_len), (state.t >= state.max_lens).numpy()
+
+
+def apply_processors(logp: Tensor, processors: Sequence[ScoreProcessor],
+                     state: SearchState) -> Tensor:
+    """``logp`` (n, V') float32 with each processor applied, in order."""
+    for processor in processors:
+        logp = processor(logp, state)
+    return logp
+
+
 class StepFunction(Protocol):
-    """What a search needs from a decoder.
+    """What a search needs from a decoder; a class that implements it subclasses it, for its
+    default :meth:`log_probs` and :meth:`greedy`.
 
     ``step(tokens)`` takes the newest token of each of the n rows, ``tokens`` long (n,), and
     returns next-token logits (n, V) (any float dtype); the first call receives ``start_id``,
     the decoder's start token (the model's ``config.decoder_start_id``: BOS, or pad in Marian
-    models). Calling it advances the rows by one position. ``step.select(index)`` returns a
-    step function whose row i continues row ``index[i]`` of this one (index long (n',),
-    repeats allowed). A step function may score fewer columns than the vocabulary has
+    models). Calling it advances the rows by one position, as :meth:`log_probs` and
+    :meth:`greedy` do (a search calls one of the three per step). ``step.select(index)``
+    returns a step function whose row i continues row ``index[i]`` of this one (index long
+    (n',), repeats allowed). A step function may score fewer columns than the vocabulary has
     (``token_ids``, long (V',): the token of each column, or None where column j is token j);
     its columns 0-2 are then still PAD, BOS and EOS, and it leaves out only tokens it gives
-    probability 0, so the searches' results are the same. A step function without the
-    attribute scores every token.
+    probability 0, so the searches' results are the same.
     """
 
     start_id: int
-    token_ids: Tensor | None
+    token_ids: Tensor | None = None
 
     def __call__(self, tokens: Tensor) -> Tensor: ...
 
     def select(self, index: Tensor) -> StepFunction: ...
+
+    def log_probs(self, tokens: Tensor) -> Tensor:
+        """float32 (n, V') next-token log-probabilities: the log-softmax of the logits
+        (:func:`aiayn.model.kernels.log_softmax`, decoding's one log-softmax)."""
+        return kernels.log_softmax(self(tokens))
+
+    def greedy(self, tokens: Tensor, processors: Sequence[ScoreProcessor],
+               state: SearchState) -> tuple[Tensor, Tensor]:
+        """Each row's most likely next token under ``processors``: (column long (n,), its
+        log-probability float32 (n,)), the argmax of :meth:`log_probs` with the processors
+        applied."""
+        return choose_greedy(self.log_probs(tokens), processors, state)
+
+
+def choose_greedy(logp: Tensor, processors: Sequence[ScoreProcessor], state: SearchState
+                  ) -> tuple[Tensor, Tensor]:
+    """The default of :meth:`StepFunction.greedy` from log-probabilities ``logp`` (n, V'):
+    (column long (n,), log-probability float32 (n,)) of each row's best column once the
+    processors are applied."""
+    logp = apply_processors(logp, processors, state)
+    column = _argmax(logp)
+    return column, logp.gather(1, column[:, None]).squeeze(1)
 
 
 @dataclass(frozen=True)
@@ -118,59 +216,6 @@ def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def _next_log_probs(step: StepFunction, tokens: Tensor) -> Tensor:
-    """float32 (n, V) next-token log-probabilities from ``step``: its own ``log_probs`` where
-    it has one (:class:`CachedStep`: an int8 output layer's one kernel), else the log-softmax
-    of its logits (:func:`aiayn.model.kernels.log_softmax`, the same numbers). Either advances
-    the rows by one position."""
-    own = getattr(step, "log_probs", None)
-    if own is not None:
-        return own(tokens)
-    return kernels.log_softmax(step(tokens))
-
-
-def _log_probs(logp: Tensor, t: int, max_lens: Tensor, min_len: int,
-               free_forced_eos: bool = False) -> Tensor:
-    """(n, V) float32 log-probabilities (:func:`_next_log_probs`, modified in place) with the
-    length rules applied.
-
-    PAD and BOS are banned; EOS is banned while t < min_len; rows with t >= max_lens may only
-    take EOS, at its own log-probability (or at 0 with ``free_forced_eos``, as Hugging Face's
-    ``forced_eos_token_id`` does). ``max_lens``: long (n,).
-    """
-    logp[:, PAD_ID] = NEG_INF
-    logp[:, BOS_ID] = NEG_INF
-    if t < min_len:
-        logp[:, EOS_ID] = NEG_INF
-    at_max = t >= max_lens
-    if bool(at_max.any()):
-        eos = logp[:, EOS_ID].clone()
-        logp[at_max] = NEG_INF
-        logp[at_max, EOS_ID] = 0.0 if free_forced_eos else eos[at_max]
-    return logp
-
-
-def _greedy_choice(step: StepFunction, tokens: Tensor, t: int, max_lens: Tensor,
-                   min_len: int) -> tuple[Tensor, Tensor]:
-    """Each row's most likely next token under the length rules of :func:`_log_probs`: (column
-    long (n,), its log-probability float32 (n,)). From the step's own ``greedy`` where it has
-    one (:class:`CachedStep`: an int8 output layer's kernel, the same numbers without a row of
-    log-probabilities written), else the argmax of :func:`_log_probs`. Advances the rows by
-    one position."""
-    own = getattr(step, "greedy", None)
-    if own is not None and max_lens.is_cpu:
-        # the kernel bans the columns before EOS: PAD and BOS (ids 0 and 1, EOS 2)
-        rules = (EOS_ID, np.full(tokens.shape[0], t < min_len), (t >= max_lens).numpy())
-        found = own(tokens, rules)
-        if isinstance(found, tuple):
-            return found
-        logp = _log_probs(found, t, max_lens, min_len)
-    else:
-        logp = _log_probs(_next_log_probs(step, tokens), t, max_lens, min_len)
-    column = _argmax(logp)
-    return column, logp.gather(1, column[:, None]).squeeze(1)
-
-
 def _argmax(logp: Tensor) -> Tensor:
     """``logp.argmax(dim=-1)`` for (n, V) ``logp``, by :func:`aiayn.model.kernels.row_argmax`
     where it can run (the same columns, faster)."""
@@ -216,6 +261,7 @@ def greedy_search(
     min_len: int = 0,
     sampling: SamplingConfig | None = None,
     stats: DecodeStats | None = None,
+    processors: Sequence[ScoreProcessor] = (),
 ) -> list[Hypothesis]:
     """Pick the most likely token at each position (or sample one), for B sentences at once.
 
@@ -229,6 +275,8 @@ def greedy_search(
         sampling: sample from the (temperature / top-k / top-p filtered) distribution instead
             of taking the argmax.
         stats: where to count the decoder calls and row-steps, if given.
+        processors: rules applied to the scores after the length rules (:class:`LengthRules`
+            with ``min_len``), in order.
 
     Returns:
         One :class:`Hypothesis` per sentence, in input order (``score == log_prob``).
@@ -245,7 +293,8 @@ def greedy_search(
     rows = torch.arange(B, device=device)  # sentence of each live row
     lens = max_lens.clone()
     tokens = torch.full((B,), step.start_id, dtype=torch.long, device=device)
-    ids = getattr(step, "token_ids", None)  # column -> token id (one map for every step)
+    ids = step.token_ids  # column -> token id (one map for every step)
+    rules = (LengthRules(min_len), *processors)
     log_prob = torch.zeros(B, device=device)
     out_tokens: list[list[int]] = [[] for _ in range(B)]
     out_logp = [0.0] * B
@@ -255,10 +304,11 @@ def greedy_search(
     while rows.numel() > 0:
         if stats is not None:
             stats.count(rows.numel())
+        state = SearchState(t, lens)
         if sampling is None:
-            column, chosen_logp = _greedy_choice(step, tokens, t, lens, min_len)
+            column, chosen_logp = step.greedy(tokens, rules, state)
         else:
-            logp = _log_probs(_next_log_probs(step, tokens), t, lens, min_len)  # (n, V) or V'
+            logp = apply_processors(step.log_probs(tokens), rules, state)  # (n, V) or V'
             column = _sample(logp, sampling, generator)
             chosen_logp = logp.gather(1, column[:, None]).squeeze(1)
         log_prob = log_prob + chosen_logp
@@ -308,6 +358,7 @@ def beam_search(
     min_len: int = 0,
     rules: str = "t2t",
     stats: DecodeStats | None = None,
+    processors: Sequence[ScoreProcessor] = (),
 ) -> list[list[Hypothesis]]:
     """Beam search with the length penalty of Wu et al. (2016), §6.1, for B sentences at once.
 
@@ -340,6 +391,7 @@ def beam_search(
             among the K best do, and the EOS forced at the length limit costs nothing; with
             ``alpha=0`` (``length_penalty=0.0`` there) the outputs are ``generate``'s.
         stats: where to count the decoder calls and row-steps, if given.
+        processors: rules applied to the scores after the length rules, in order.
 
     Returns:
         For each sentence in input order, ``nbest`` hypotheses, best first (fewer only when
@@ -371,15 +423,16 @@ def beam_search(
     fin_tokens = torch.empty(B, K, 0, dtype=torch.long, device=device)  # (n, K, t)
     results: list[list[Hypothesis]] = [[] for _ in range(B)]
     last = torch.full((B,), step.start_id, dtype=torch.long, device=device)  # one row each
-    ids = getattr(step, "token_ids", None)  # column -> token id (one map for every step)
+    ids = step.token_ids  # column -> token id (one map for every step)
+    score_rules = (LengthRules(min_len, free_forced_eos=rules == "hf"), *processors)
     t = 0
     while True:
         n = live.shape[0]
         if stats is not None:
             stats.count(last.shape[0])
         row_lens = lens.repeat_interleave(last.shape[0] // n)
-        logp = _log_probs(_next_log_probs(step, last), t, row_lens, min_len,
-                          rules == "hf")  # (n*K or n, V)
+        logp = apply_processors(step.log_probs(last), score_rules,
+                                SearchState(t, row_lens))  # (n*K or n, V)
         V = logp.shape[-1]
         # on step 0, one row per sentence: its beams 1..K-1 are not alive yet (-inf)
         top, idx = _best_extensions(logp, live, min(2 * K, K * V))  # (n, 2K)
@@ -441,76 +494,94 @@ def beam_search(
 # --- step functions over the Transformer ----------------------------------------------------
 
 
-class CachedStep:
-    """Step function over :meth:`Transformer.decode_step` with the incremental K/V cache.
+class CachedStep(StepFunction):
+    """Step function over a model's incremental decoding with its K/V cache: each call feeds
+    one token per row and extends the cache by one position; earlier positions are never
+    recomputed. ``select`` reorders the cache rows (beam reordering, pruning).
 
-    Each call feeds one token per row and extends the cache by one position; earlier positions
-    are never recomputed. ``select`` reorders the cache rows (beam reordering, pruning).
-    With ``compact`` it scores only the tokens the model can produce, where the model has a
-    map for that (``Transformer.step_projection``: the int8 copies of a model trained with a
-    target-only output layer); ``token_ids`` then names each column's token.
+    It drives decoding's engine (:func:`aiayn.model.engine.as_engine`: a
+    :class:`~aiayn.model.Transformer` gets a :class:`~aiayn.model.engine.CpuEngine`, an int8
+    copy is its own): ``decoder_output`` for the newest positions, then the engine's output
+    layer (``output_layer``) for the logits, the log-probabilities and greedy search's
+    choice, the last two in one kernel on an int8 output layer.
+
+    Args:
+        model: the engine.
+        cache: its cache (``start_cache``), rows as the step's.
+        output: the output layer (``model.output_layer(token_ids)``); its ``token_ids`` are
+            the step's columns.
     """
 
-    def __init__(self, model, cache, compact: bool = True,
-                 projection: tuple[torch.nn.Module, Tensor] | None = None) -> None:
+    def __init__(self, model, cache, output) -> None:
         self.model = model
         self.cache = cache
-        self.compact = compact
-        self.projection = projection
-        if projection is not None:  # (map, its columns' token ids): a shortlist's
-            self.token_ids = projection[1]
-        else:
-            self.token_ids = getattr(model, "step_token_ids", None) if compact else None
+        self.output = output
+        self.token_ids = output.token_ids
 
     @classmethod
     def start(cls, model, memory: Tensor, src_mask: Tensor, max_steps: int = 0,
-              compact: bool = True, projection: tuple[torch.nn.Module, Tensor] | None = None
-              ) -> CachedStep:
-        """From encoder output ``memory`` (B, S, d_model) and ``src_mask`` bool (B, S);
-        ``max_steps``, when known, reserves the cache for that many steps. ``projection``:
-        (map, token ids (V',)) to score only those columns (a shortlist's,
-        :meth:`~aiayn.model.Transformer.output_map`)."""
-        return cls(model, model.start_cache(memory, src_mask, capacity=max_steps), compact,
-                   projection)
+              compact: bool = True, token_ids: Tensor | None = None) -> CachedStep:
+        """From encoder output ``memory`` (B, S, d_model) and ``src_mask`` bool (B, S) (the
+        engine's ``encode`` of the sources; the model's own gives the same within float
+        rounding); ``max_steps``, when known, reserves the cache for that many steps.
+
+        Args:
+            model: a :class:`~aiayn.model.Transformer` or an engine
+                (:class:`~aiayn.model.engine.Int8Transformer`, ...).
+            compact: score only the tokens the model can produce where the engine has a map
+                for that (its ``compact_token_ids``: an int8 copy of a model trained with a
+                target-only output layer).
+            token_ids: long (V',): score only these columns (a shortlist's); wins over
+                ``compact``.
+        """
+        engine = as_engine(model)
+        if token_ids is None and compact:
+            token_ids = engine.compact_token_ids
+        return cls(engine, engine.start_cache(memory, src_mask, capacity=max_steps),
+                   engine.output_layer(token_ids))
 
     @property
     def start_id(self) -> int:
         return self.model.config.decoder_start_id
 
-    def _decode(self, tokens: Tensor, **output):
-        """:meth:`Transformer.decode_step` for the newest tokens (n,), over this step's cache
-        and columns (``output``: its ``log_probs`` and ``greedy``)."""
-        projection = None if self.projection is None else self.projection[0]
-        return self.model.decode_step(tokens[:, None], self.cache, self.token_ids is not None,
-                                      projection, **output)
+    def _decoder_output(self, tokens: Tensor) -> Tensor:
+        """The output layer's input for the newest tokens (n,): (n, d_model)."""
+        return self.model.decoder_output(tokens[:, None], self.cache)[:, -1]
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        return self._decode(tokens)[:, -1]  # (n, V) or (n, V')
+        return self.output.logits(self._decoder_output(tokens))  # (n, V) or (n, V')
 
     def log_probs(self, tokens: Tensor) -> Tensor:
         """``log_softmax(self(tokens))``, float32 (n, V) or (n, V'): an int8 output layer's in
-        one kernel (:meth:`Transformer.decode_step`'s ``log_probs``)."""
-        return self._decode(tokens, log_probs=True)[:, -1]
+        one kernel."""
+        return self.output.log_probs(self._decoder_output(tokens))
 
-    def greedy(self, tokens: Tensor, rules: tuple) -> tuple[Tensor, Tensor] | Tensor:
-        """Greedy search's choice under ``rules`` ((eos, eos_banned, eos_only), see
-        :func:`aiayn.model.kernels.rescale_greedy`): (column (n,), log-probability (n,)) from
-        an int8 output layer's kernel, else :meth:`log_probs`'s (n, V) or (n, V') for the
-        search to choose from. Either advances the rows by one position."""
-        out = self._decode(tokens, log_probs=True, greedy=rules)
-        return out if isinstance(out, tuple) else out[:, -1]
+    def greedy(self, tokens: Tensor, processors: Sequence[ScoreProcessor],
+               state: SearchState) -> tuple[Tensor, Tensor]:
+        """:meth:`StepFunction.greedy`; where the processors are the length rules alone, from
+        the output layer's kernel where it has one (an int8 layer's: the same numbers,
+        without a row of log-probabilities written)."""
+        x = self._decoder_output(tokens)
+        masks = None
+        if len(processors) == 1 and isinstance(processors[0], LengthRules):
+            masks = processors[0].eos_masks(state)
+        if masks is not None:
+            found = self.output.greedy(x, EOS_ID, *masks)
+            if found is not None:
+                return found
+        return choose_greedy(self.output.log_probs(x), processors, state)
 
     def select(self, index: Tensor) -> CachedStep:
         """The step for rows ``index``; reorders the cache in place (``select_``), so this
         step must not be called again (the searches never do)."""
-        return CachedStep(self.model, self.cache.select_(index), self.compact, self.projection)
+        return CachedStep(self.model, self.cache.select_(index), self.output)
 
 
-class UncachedStep:
+class UncachedStep(StepFunction):
     """The same decoder without a cache: every call reruns :meth:`Transformer.decode` over the
-    whole prefix (quadratic work). For tests and for measuring what the cache gains."""
-
-    token_ids = None  # scores every token
+    whole prefix (quadratic work). For tests and for measuring what the cache gains. It runs
+    the model's own torch pass (a :class:`~aiayn.model.Transformer`; an engine has no
+    uncached pass)."""
 
     def __init__(self, model, memory: Tensor, src_mask: Tensor, prefix: Tensor | None = None):
         self.model = model
@@ -537,7 +608,7 @@ class UncachedStep:
                             self.prefix.index_select(0, index))
 
 
-class EnsembleStep:
+class EnsembleStep(StepFunction):
     """Step function over several step functions whose models share one target vocabulary:
     an ensemble (not in the paper; Sutskever et al. 2014 and Wu et al. 2016 decode with one).
 
@@ -558,14 +629,13 @@ class EnsembleStep:
             raise ValueError("EnsembleStep needs at least one step function")
         self.steps = list(steps)
         self.start_id = steps[0].start_id
-        self.token_ids = getattr(steps[0], "token_ids", None)
-        if not all(same_columns(self.token_ids, getattr(s, "token_ids", None))
-                   for s in steps[1:]):
+        self.token_ids = steps[0].token_ids
+        if not all(same_columns(self.token_ids, s.token_ids) for s in steps[1:]):
             raise ValueError("ensemble members score different token columns; start their "
                              "steps with compact=False (see same_columns)")
 
     def __call__(self, tokens: Tensor) -> Tensor:
-        logp = [_next_log_probs(step, tokens) for step in self.steps]
+        logp = [step.log_probs(tokens) for step in self.steps]
         sizes = {lp.shape[-1] for lp in logp}
         if len(sizes) > 1:
             raise ValueError(f"ensemble members have different vocabulary sizes {sorted(sizes)}")
@@ -596,7 +666,8 @@ def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
 
 
 __all__ = [
-    "CachedStep", "DecodeStats", "EnsembleStep", "Hypothesis", "SamplingConfig", "StepFunction",
-    "UncachedStep", "beam_search", "greedy_search", "length_penalty", "max_output_lengths",
+    "CachedStep", "DecodeStats", "EnsembleStep", "Hypothesis", "LengthRules", "SamplingConfig",
+    "ScoreProcessor", "SearchState", "StepFunction", "UncachedStep", "apply_processors",
+    "beam_search", "choose_greedy", "greedy_search", "length_penalty", "max_output_lengths",
     "same_columns",
 ]

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from aiayn.decoding.search import StepFunction
 from aiayn.errors import DataError
 
 NEG_INF = float("-inf")
@@ -273,7 +274,7 @@ def build_shortlist(config, vocab, *, first: int = 300, best: int = 50, iteratio
                            first=first, best=best, iterations=iterations, progress=progress)
 
 
-class ShortlistStep:
+class ShortlistStep(StepFunction):
     """A step function restricted per row to a sentence's shortlist: the inner step scores
     the batch's columns (``token_ids``), and each row's columns off its own sentence's list
     get ``-inf`` before the search's soft-max, so the row's distribution is the model's,

@@ -31,6 +31,7 @@ from aiayn.decoding.search import (
 from aiayn.decoding.shortlist import ShortlistStep
 from aiayn.config import DecodeConfig
 from aiayn.errors import ConfigError, UserError
+from aiayn.model.engine import as_engine
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ def translate_nbest(
     for m in models:
         m.eval()  # no dropout while decoding; the caller's mode is restored below
     try:
-        return _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache,
+        return _translate([as_engine(m) for m in models], vocab, lines, decode, nbest, sampling,
+                          bf16, use_cache,
                           min_len, long_inputs, warn, progress, stats, workers, shortlist)
     finally:
         for m, mode in zip(models, was_training):
@@ -167,7 +169,7 @@ def check_ensemble(models: list) -> None:
     """
     if not models:
         raise ValueError("an ensemble needs at least one model")
-    sizes = [m.tgt_embed.weight.shape[0] for m in models]
+    sizes = [m.config.target_vocab_size for m in models]
     if len(set(sizes)) > 1:
         raise ValueError(f"ensemble members have different output vocabularies ({sizes} "
                          "tokens); an ensemble needs models trained on one vocabulary")
@@ -201,8 +203,8 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16
                 else contextlib.nullcontext())
     # each model scores only the tokens it can produce where it can (its int8 copy's
-    # step_projection); an ensemble only where its members' columns agree
-    ids = [getattr(m, "step_token_ids", None) for m in models]
+    # compact_token_ids); an ensemble only where its members' columns agree
+    ids = [m.compact_token_ids if use_cache else None for m in models]
     compact = all(same_columns(ids[0], i) for i in ids[1:])
 
     def decode_chunk(chunk: list[int]) -> list[list[Translation]]:
@@ -262,15 +264,15 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
 def _shortlist_steps(models, encoded, shortlist, sources, producible, capacity):
     """One :class:`ShortlistStep` per model: the output layer over the batch's union of
     lists (less the tokens the models cannot produce), each row held to its own list."""
-    ids, allowed = shortlist.candidates(sources, EOS_ID + 1, models[0].tgt_embed.weight.shape[0])
+    ids, allowed = shortlist.candidates(sources, EOS_ID + 1, models[0].config.target_vocab_size)
     if producible is not None:  # a target-only output layer: its -inf columns stay out
         keep = torch.isin(ids, producible.cpu())
         ids, allowed = ids[keep], allowed[:, keep]
     device = encoded[0][0].device
     ids = ids.to(device)
     banned = (~allowed).to(device)
-    return [ShortlistStep(CachedStep.start(model, memory, src_mask, capacity,
-                                           projection=(model.output_map(ids), ids)), banned)
+    return [ShortlistStep(CachedStep.start(model, memory, src_mask, capacity, token_ids=ids),
+                          banned)
             for model, (memory, src_mask) in zip(models, encoded)]
 
 

@@ -7,7 +7,7 @@ How it moves data (what makes decoding fast on a CPU):
 
 - **Self-attention keys and values live in preallocated buffers** (rows, h, capacity, d),
   written in place at each step; nothing is concatenated. The buffers hold the longest output
-  the caller reserves (:meth:`Transformer.start_cache`'s ``capacity``: the searches reserve
+  the caller reserves (:meth:`aiayn.model.engine.CpuEngine.start_cache`'s ``capacity``: the searches reserve
   their length limit), and double when they run out. Growing costs a copy, and the allocator
   may keep the old buffers: with the limit reserved, decoding memory besides the cache stays
   flat in output length (``bench/bench_decode_memory.py``).
@@ -25,7 +25,7 @@ How it moves data (what makes decoding fast on a CPU):
   page fault per 4 KiB the first time it is written, and a batch's buffers are tens of MiB, so a
   new cache takes the storage of one that no tensor uses any more.
 - **An int8 copy keeps its keys and values in bfloat16** (``kv_dtype``; the encoder-decoder
-  ones too, :meth:`Transformer.start_cache`): every step reads the whole cache, which with a
+  ones too, :meth:`aiayn.model.engine.CpuEngine.start_cache`): every step reads the whole cache, which with a
   ``base`` model's beams no longer fits the CPU's caches, so halving its bytes made the step
   faster. They are rounded once, when written, as torch rounds, and read exactly (widened);
   every path of that model reads the same rounded keys.
@@ -42,7 +42,7 @@ import threading
 import torch
 from torch import Tensor
 
-from aiayn.model.kernels import prefix_lengths
+from aiayn.model import kernels
 
 
 class BufferPool:
@@ -194,7 +194,7 @@ class DecoderCache:
         source mask, not at every step (a reorder that keeps the sentences keeps it too)."""
         known = self._source_lengths
         if known is None or known[0] is not self.src_mask:
-            known = self._source_lengths = (self.src_mask, prefix_lengths(self.src_mask))
+            known = self._source_lengths = (self.src_mask, kernels.prefix_lengths(self.src_mask))
         return known[1]
 
     def self_lengths(self, n: int, t: int) -> Tensor:

@@ -6,7 +6,7 @@ between its maps than in them: each :class:`~aiayn.model.quantize.Int8Linear` ca
 attention call, each residual and each reshape is a handful of Python-level operations, and a
 step's working set evicts the interpreter's data, so each costs 2-3x what it costs in a loop
 (``docs/benchmarks.md``). :class:`FusedInt8Step` runs the same step as
-:meth:`~aiayn.model.Transformer.decode_step`'s layer loop, in per sub-layer calls only:
+:meth:`aiayn.model.engine.CpuEngine.decoder_output`'s layer loop, in per sub-layer calls only:
 
 - self-attention: quantize its input; the W^QKV product; one kernel that rescales the sums,
   writes the new keys and values into the cache's buffers, attends and quantizes the output
@@ -50,9 +50,9 @@ class _Layer:
     __slots__ = ("self_attn", "W_qkv", "W_o", "self_norm", "cross_attn", "W_q", "cross_W_o",
                  "cross_norm", "W_1", "W_2", "ffn_norm")
 
-    def __init__(self, layer) -> None:
+    def __init__(self, layer, qkv) -> None:
         self.self_attn = layer.self_attn
-        self.W_qkv, self.W_o = self.self_attn.W_qkv, self.self_attn.W_o
+        self.W_qkv, self.W_o = qkv, self.self_attn.W_o
         res = layer.res_self if hasattr(layer, "res_self") else layer.res_attn
         self.self_norm = res.norm
         self.cross_attn = getattr(layer, "cross_attn", None)  # decoder layers only
@@ -64,12 +64,13 @@ class _Layer:
 
 
 class _FusedStack:
-    """What the fused passes over a stack need of the model: its layers, the attention's
-    shape (h, d_k, d_v, d_model), the norm's place and eq. 1's scale 1 / sqrt(d_k)."""
+    """What the fused passes over a stack need of the model: its layers (each with its
+    self-attention's one int8 map for W^Q, W^K and W^V, ``qkv``), the attention's shape
+    (h, d_k, d_v, d_model), the norm's place and eq. 1's scale 1 / sqrt(d_k)."""
 
-    def __init__(self, model, stack) -> None:
+    def __init__(self, model, stack, qkv) -> None:
         cfg = model.config
-        self.layers = [_Layer(layer) for layer in stack]
+        self.layers = [_Layer(layer, w) for layer, w in zip(stack, qkv)]
         self.h, self.d_k, self.d_v, self.d_model = cfg.h, cfg.d_k, cfg.d_v, cfg.d_model
         self.pre_norm = cfg.norm == "pre"
         self.scale = np.float32(cfg.d_k**-0.5)  # kernels.attend's default scale
@@ -80,13 +81,13 @@ class FusedInt8Step(_FusedStack):
     step function: x (n, 1, d_model) -> (n, 1, d_model), the input of the output layer.
 
     Args:
-        model: the int8 :class:`~aiayn.model.Transformer`; every decoder layer has an int8
-            ``W_qkv``, int8 maps elsewhere, and its FFN's relu inside ``W_1`` (the caller,
-            ``quantize_int8``, checks).
+        model: the int8 copy's :class:`~aiayn.model.Transformer`: int8 maps, each FFN's relu
+            inside ``W_1`` (the caller, ``quantize_int8``, checks).
+        qkv: per decoder layer, its self-attention's int8 map for W^Q, W^K and W^V.
     """
 
-    def __init__(self, model) -> None:
-        _FusedStack.__init__(self, model, model.decoder)
+    def __init__(self, model, qkv) -> None:
+        _FusedStack.__init__(self, model, model.decoder, qkv)
         self.steps = 0  # steps run here (the module path ran the others)
 
     def run(self, x: Tensor, cache: DecoderCache, cross_len: Tensor | None) -> Tensor | None:
@@ -156,13 +157,13 @@ class FusedInt8Encoder(_FusedStack):
     length). Where it does not apply (see :meth:`run`) the module path runs.
 
     Args:
-        model: the int8 :class:`~aiayn.model.Transformer`; every encoder layer has an int8
-            ``W_qkv``, int8 maps elsewhere, and its FFN's relu inside ``W_1`` (the caller,
-            ``quantize_int8``, checks).
+        model: the int8 copy's :class:`~aiayn.model.Transformer`, as for
+            :class:`FusedInt8Step`.
+        qkv: per encoder layer, its self-attention's int8 map for W^Q, W^K and W^V.
     """
 
-    def __init__(self, model) -> None:
-        _FusedStack.__init__(self, model, model.encoder)
+    def __init__(self, model, qkv) -> None:
+        _FusedStack.__init__(self, model, model.encoder, qkv)
         self.final_norm = model.encoder_norm
         self.calls = 0  # batches encoded here (the module path encoded the others)
 

@@ -25,11 +25,13 @@ rounded once, when written; ``kv_bf16``), since each step reads them all.
 
 Around each product, the int32 sums are rescaled (and the bias added) in one pass
 (:func:`aiayn.model.kernels.rescale`), and each self-attention's W^Q, W^K and W^V are one
-map (``MultiHeadAttention.W_qkv``), so their shared input is quantized once: both give the
-same numbers as the separate maps and passes, bit for bit.
+map (the engine's ``encoder_qkv`` / ``decoder_qkv``), so their shared input is quantized
+once: both give the same numbers as the separate maps and passes, bit for bit.
 
-The model itself is not changed; the copy shares nothing with it that training could move
-(its float weights are dropped, its int8 ones are buffers).
+The copy is an :class:`aiayn.model.engine.Int8Transformer`, decoding's engine (encode /
+start_cache / decode_step, as the model), not a model to train. The model itself is not
+changed; the copy shares nothing with it that training could move (its float weights are
+dropped, its int8 ones are buffers).
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ from torch import Tensor, nn
 
 from aiayn.errors import ConfigError
 from aiayn.model import kernels
+from aiayn.model.engine import Int8Transformer
 from aiayn.model.kernels import weight_levels
 from aiayn.model.fused import FusedInt8Encoder, FusedInt8Step
-from aiayn.model.transformer import DecoderLayer, EncoderLayer, PositionwiseFeedForward
+from aiayn.model.transformer import DecoderLayer, PositionwiseFeedForward
 
 
 def _quantize_rows(x: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
@@ -565,7 +568,7 @@ class Int8Linear(nn.Module):
         product's sums (:func:`aiayn.model.kernels.rescale_log_softmax`): the logits are never
         written out, and the numbers are :func:`aiayn.model.kernels.log_softmax`'s of the
         same logits (torch's within float rounding: its exponentials are a polynomial's). The
-        output layer of decoding (:meth:`aiayn.model.Transformer.decode_step`)."""
+        output layer of decoding (:class:`aiayn.model.engine.Int8OutputLayer`)."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if rows.dtype != torch.float32:
@@ -645,18 +648,19 @@ def _replace_layer_norms(module: nn.Module) -> None:
             _replace_layer_norms(child)
 
 
-def _fuse_self_attention(module: nn.Module) -> None:
-    """Give every self-attention of ``module`` one int8 map for W^Q, W^K and W^V
-    (``W_qkv``): their rows stacked, each keeping its own scale, so the outputs are the three
-    maps' bit for bit, and the shared input is quantized once."""
-    for layer in module.modules():
-        if isinstance(layer, (EncoderLayer, DecoderLayer)):
-            attn = layer.self_attn
-            maps = (attn.W_q, attn.W_k, attn.W_v)
-            bias = (None if any(m.bias is None for m in maps)
-                    else torch.cat([m.bias for m in maps]))
-            attn.W_qkv = Int8Linear(torch.cat([m.weight for m in maps]), bias)
-            del attn.W_q, attn.W_k, attn.W_v
+def _fuse_self_attention(stack: nn.ModuleList) -> list[Int8Linear]:
+    """For every self-attention of ``stack``'s layers, one int8 map for W^Q, W^K and W^V:
+    their rows stacked, each keeping its own scale, so the outputs are the three maps' bit
+    for bit, and the shared input is quantized once. The three maps leave the layer (the
+    engine projects with the returned ones, :class:`aiayn.model.engine.Int8Transformer`)."""
+    fused = []
+    for layer in stack:
+        attn = layer.self_attn
+        maps = (attn.W_q, attn.W_k, attn.W_v)
+        bias = None if any(m.bias is None for m in maps) else torch.cat([m.bias for m in maps])
+        fused.append(Int8Linear(torch.cat([m.weight for m in maps]), bias))
+        del attn.W_q, attn.W_k, attn.W_v
+    return fused
 
 
 def _replace_linears(module: nn.Module) -> None:
@@ -668,63 +672,66 @@ def _replace_linears(module: nn.Module) -> None:
 
 
 def quantize_int8(model: nn.Module, *, fuse_qkv: bool = True,
-                  step_fixed_ids: int | None = None, kv_bf16: bool = True) -> nn.Module:
+                  step_fixed_ids: int | None = None, kv_bf16: bool = True) -> Int8Transformer:
     """An int8 inference copy of a :class:`~aiayn.model.Transformer` (see the module
-    docstring), in eval mode, on the model's device. Decode with it as with the model.
+    docstring): an :class:`~aiayn.model.engine.Int8Transformer`, in eval mode, on the model's
+    device. Decode with it as with the model (the searches, ensembles, parsing, the
+    Translator and the server take either).
 
     The embeddings stay float32; the output layer, tied to the target embedding (§3.4), gets
-    an int8 copy of that matrix (``model.output_projection``), with ``final_logits_bias``
-    (Marian) as its bias: a ``-inf`` placeholder bias keeps its zero probability. ``model``
-    itself, and its training mode, are left as they are. With ``fuse_qkv`` (the default)
-    each self-attention's W^Q, W^K and W^V become one map (same outputs, one quantization of
-    their shared input). With ``step_fixed_ids`` (the searches' special ids: PAD, BOS and EOS
-    are ids 0-2), a model whose output layer can produce only some tokens also gets decoding's
-    own int8 map onto those (``step_projection``, ``step_token_ids``:
-    :meth:`~aiayn.model.Transformer.output_token_ids`): the same logits for them, less work.
-    With ``kv_bf16`` (the default) its decoder caches hold the self-attention keys and values,
-    and the encoder's for encoder-decoder attention, in bfloat16 where the CPU kernels read
-    them: a step reads half the bytes, and every path (fused or the layers' own) reads the
-    same rounded keys.
+    an int8 copy of that matrix, with ``final_logits_bias`` (Marian) as its bias: a ``-inf``
+    placeholder bias keeps its zero probability. ``model`` itself, and its training mode, are
+    left as they are. With ``fuse_qkv`` (the default) each self-attention's W^Q, W^K and W^V
+    become one map (same outputs, one quantization of their shared input), and the stacks run
+    in fused passes (:mod:`aiayn.model.fused`) where they can. With ``step_fixed_ids`` (the
+    searches' special ids: PAD, BOS and EOS are ids 0-2), a model whose output layer can
+    produce only some tokens also gets decoding's own int8 map onto those (its
+    ``compact_token_ids``: :meth:`~aiayn.model.Transformer.output_token_ids`): the same
+    logits for them, less work. With ``kv_bf16`` (the default) its decoder caches hold the
+    self-attention keys and values, and the encoder's for encoder-decoder attention, in
+    bfloat16 where the CPU kernels read them: a step reads half the bytes, and every path
+    (fused or the layers' own) reads the same rounded keys.
     """
     q = copy.deepcopy(model).eval()
     for p in q.parameters():
         p.requires_grad_(False)
+    qkv = None
+    if fuse_qkv:
+        qkv = (_fuse_self_attention(q.encoder), _fuse_self_attention(q.decoder))
     for stack in (q.encoder, q.decoder):
-        if fuse_qkv:
-            _fuse_self_attention(stack)
         _replace_linears(stack)
     _replace_layer_norms(q)
     for ffn in q.modules():  # the relu moves into W_1's rescaling pass
         if isinstance(ffn, PositionwiseFeedForward) and ffn.activation is F.relu:
             ffn.W_1.relu = True
             ffn.activation = _identity
-    if fuse_qkv and _fusable(q):
-        q.int8_step = FusedInt8Step(q)
-    if kv_bf16:
-        q.cache_dtype = torch.bfloat16
-    if fuse_qkv and _fusable(q, encoder=True):
-        q.int8_encoder = FusedInt8Encoder(q)
-    q.output_projection = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
+    output = Int8Linear(q.tgt_embed.weight, q.final_logits_bias)
     ids = None if step_fixed_ids is None else q.output_token_ids(step_fixed_ids)
-    if ids is not None:
-        q.step_projection = q.output_projection.rows(ids, pack=True)  # one quantization
-        q.step_token_ids = ids
-    return q
+    compact = None if ids is None else (output.rows(ids, pack=True), ids)  # one quantization
+    fused_step = fused_encoder = None
+    if qkv is not None and _fusable(q, q.decoder):
+        fused_step = FusedInt8Step(q, qkv[1])
+    if qkv is not None and _fusable(q, q.encoder):
+        fused_encoder = FusedInt8Encoder(q, qkv[0])
+    return Int8Transformer(q, qkv=qkv, cache_dtype=torch.bfloat16 if kv_bf16 else None,
+                           output=output, compact=compact, fused_step=fused_step,
+                           fused_encoder=fused_encoder).eval()
 
 
 def _identity(x: Tensor) -> Tensor:
     return x
 
 
-def _fusable(q: nn.Module, encoder: bool = False) -> bool:
-    """Whether :class:`~aiayn.model.fused.FusedInt8Step` runs ``q``'s decoder (or, with
-    ``encoder``, :class:`~aiayn.model.fused.FusedInt8Encoder` its encoder): every map int8,
-    W^Q, W^K and W^V fused, the FFN's relu inside W_1, and no attention window."""
+def _fusable(q: nn.Module, stack: nn.ModuleList) -> bool:
+    """Whether :class:`~aiayn.model.fused.FusedInt8Step` runs ``q``'s decoder (or
+    :class:`~aiayn.model.fused.FusedInt8Encoder` its encoder), ``stack``: every map int8
+    (W^Q, W^K and W^V fused by the caller), the FFN's relu inside W_1, and no attention
+    window."""
     if q.config.attention_window is not None:
         return False
-    for layer in q.encoder if encoder else q.decoder:
-        maps = (layer.self_attn.W_qkv, layer.self_attn.W_o, layer.ffn.W_1, layer.ffn.W_2)
-        if not encoder:
+    for layer in stack:
+        maps = (layer.self_attn.W_o, layer.ffn.W_1, layer.ffn.W_2)
+        if isinstance(layer, DecoderLayer):
             maps += (layer.cross_attn.W_q, layer.cross_attn.W_o)
         if (not all(isinstance(m, Int8Linear) for m in maps) or not layer.ffn.W_1.relu
                 or layer.ffn.activation is not _identity):

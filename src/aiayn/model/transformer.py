@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.model import kernels
 from aiayn.model.cache import DecoderCache
 
 
@@ -129,10 +128,8 @@ class MultiHeadAttention(nn.Module):
     """Multi-head attention, §3.2.2: Concat(head_1 … head_h) W^O, head_i = Attention(Q W_i^Q, …).
 
     d_k and d_v are free of d_model / h so that Table 3 rows (A) and (B) can be built.
-    The attention itself is eq. 1, run by ``F.scaled_dot_product_attention``; at inference on
-    the CPU, when the caller gives each row's key count (``key_len``: encoding, cached
-    decoding), by :func:`aiayn.model.kernels.attend`, one call for all rows and heads, each
-    query over its own keys only (faster, and independent of the batch's padding).
+    The attention itself is eq. 1, run by ``F.scaled_dot_product_attention`` (decoding's CPU
+    engine, :mod:`aiayn.model.engine`, runs it in its own kernel instead).
 
     Training on CPU also computes eq. 1 explicitly (:meth:`_attend_explicit`): at these
     sentence lengths (~10-30 tokens) it took 10-12% less of a ``multi30k`` step than
@@ -153,9 +150,6 @@ class MultiHeadAttention(nn.Module):
         self.W_k = nn.Linear(d_model, h * d_k)
         self.W_v = nn.Linear(d_model, h * d_v)
         self.W_o = nn.Linear(h * d_v, d_model)
-        # an inference stand-in for W^Q, W^K and W^V together (one map over the shared input
-        # of self-attention), set by quantize_int8; None: the three maps
-        self.W_qkv: nn.Module | None = None
         self.dropout = dropout
         self.attn_dropout = Dropout(dropout)
         self.record_weights = False
@@ -172,13 +166,8 @@ class MultiHeadAttention(nn.Module):
     def project_qkv(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Self-attention's projections of one input ``x`` (B, L, d_model): the queries
         x W^Q (B, L, h * d_k), for :meth:`forward`'s ``projected``, and the keys and values
-        as :meth:`project_kv` gives them. One linear map when ``W_qkv`` is set (int8)."""
-        if self.W_qkv is None:
-            return self.W_q(x), self.project_kv(x)
-        qkv = self.W_qkv(x)
-        a, b = self.h * self.d_k, 2 * self.h * self.d_k
-        return qkv[..., :a], (self._split(qkv[..., a:b], self.d_k),
-                              self._split(qkv[..., b:], self.d_v))
+        as :meth:`project_kv` gives them."""
+        return self.W_q(x), self.project_kv(x)
 
     def forward(
         self,
@@ -189,9 +178,6 @@ class MultiHeadAttention(nn.Module):
         group: int = 1,
         *,
         projected: Tensor | None = None,
-        key_len: Tensor | None = None,
-        causal_from: int = -1,
-        key_rows: Tensor | None = None,
     ) -> Tensor:
         """Attend from ``query`` (B, Tq, d_model) over projected keys and values.
 
@@ -206,14 +192,6 @@ class MultiHeadAttention(nn.Module):
             is_causal: position i attends to keys 0 … i only (decoder self-attention, §3.2.3).
             projected: ``query``'s W^Q projection (B, Tq, h * d_k) when already made
                 (:meth:`project_qkv`).
-            key_len: long (B / G,), the keys each row of ``kv`` holds, a prefix of Tk (what
-                ``mask`` allows; the caller vouches for it). Given at inference, the attention
-                runs in :func:`aiayn.model.kernels.attend`: over each row's own keys only, so
-                a row's output does not depend on its batch's padding. ``mask`` and
-                ``is_causal`` are then not read: ``causal_from`` (-1, or the position of the
-                first query among the keys) says which keys each query may see.
-            key_rows: long (B, Tk): key j of row r lies in row ``key_rows[r, j]`` of ``kv``
-                (a gathering :class:`~aiayn.model.DecoderCache`; see its ``key_rows``).
 
         Returns:
             (B, Tq, d_model).
@@ -221,18 +199,6 @@ class MultiHeadAttention(nn.Module):
         q_flat = self.W_q(query) if projected is None else projected  # (B, Tq, h * d_k)
         B, Tq = q_flat.shape[:2]
         k, v = kv
-        if (key_len is not None and not self.record_weights and not self.training
-                and kernels.usable(q_flat) and kernels.kv_usable(k, v)):
-            out = kernels.attend(q_flat.reshape(B, Tq, self.h, self.d_k), k, v, key_len,
-                                 group=group, causal_from=causal_from,
-                                 key_rows=key_rows)  # (B, Tq, h, d_v)
-            return self.W_o(out.view(B, Tq, self.h * self.d_v))
-        if k.dtype != q_flat.dtype:  # a bf16 cache read outside the kernel: widened, exactly
-            k, v = k.to(q_flat.dtype), v.to(q_flat.dtype)
-        if key_rows is not None:  # the rows' own keys, gathered from where they lie
-            pos = torch.arange(key_rows.shape[1], device=key_rows.device)[None, :]
-            k = k.transpose(1, 2)[key_rows, pos].transpose(1, 2)
-            v = v.transpose(1, 2)[key_rows, pos].transpose(1, 2)
         q = self._split(q_flat, self.d_k)  # (B, h, Tq, d_k)
         if group > 1:  # (B, h, Tq, d_k) -> (B / G, h, G * Tq, d_k)
             q = (q.view(B // group, group, self.h, Tq, self.d_k).transpose(1, 2)
@@ -321,15 +287,11 @@ class EncoderLayer(nn.Module):
         self.res_attn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
         self.res_ffn = _Residual(cfg.d_model, cfg.P_drop, pre, cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None,
-                key_len: Tensor | None = None) -> Tensor:
-        """x: (B, S, d_model); attn_mask: bool (B, 1, 1, S); key_len: optional long (B,), the
-        real tokens of each row when they are a prefix and no band applies (see
-        :meth:`MultiHeadAttention.forward`). Returns (B, S, d_model)."""
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """x: (B, S, d_model); attn_mask: bool (B, 1, 1, S). Returns (B, S, d_model)."""
         y = self.res_attn.inner(x)
         q, kv = self.self_attn.project_qkv(y)
-        x = self.res_attn.outer(x, self.self_attn(y, kv, attn_mask, projected=q,
-                                                  key_len=key_len))
+        x = self.res_attn.outer(x, self.self_attn(y, kv, attn_mask, projected=q))
         return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
 
 
@@ -355,7 +317,6 @@ class DecoderLayer(nn.Module):
         cross_mask: Tensor | None,
         cache: DecoderCache | None = None,
         layer: int = 0,
-        cross_len: Tensor | None = None,
     ) -> Tensor:
         """x: (B, T, d_model); cross_kv: encoder keys/values (B, h, S, d_k|d_v) of this layer.
 
@@ -363,9 +324,6 @@ class DecoderLayer(nn.Module):
         x holds the new positions only; their keys and values are appended to the cache and
         they attend to everything cached (all earlier positions), so nothing is recomputed.
         With ``attention_window = r`` both paths see only the last r positions and their own.
-        ``cross_len``: optional long (B / group,), the real source tokens of each row of
-        ``cross_kv`` when they are a prefix (see :meth:`MultiHeadAttention.forward`); the
-        cached path then attends through :func:`aiayn.model.kernels.attend`.
         """
         y = self.res_self.inner(x)
         q, kv = self.self_attn.project_qkv(y)
@@ -377,23 +335,17 @@ class DecoderLayer(nn.Module):
                                                    device=x.device), projected=q)
         else:
             k_offset = cache.length - cache.cached_len(layer)  # first position still cached
-            kv = cache.append_self(layer, *kv)
+            kv = cache.gathered(*cache.append_self(layer, *kv))  # (B, h, t_all, d_k | d_v)
             mask = None
             t_new, t_all = x.shape[1], kv[0].shape[2]
             if t_new > 1 or (self.window is not None and t_all > self.window + 1):
                 mask = band_mask(t_new, t_all, self.window, causal=True, q_offset=cache.length,
                                  k_offset=k_offset, device=x.device)
-            self_len = None
-            if cross_len is not None and self.window is None:  # every row holds all t_all
-                self_len = cache.self_lengths(x.shape[0], t_all)
-            attn = self.self_attn(y, kv, mask, projected=q, key_len=self_len,
-                                  causal_from=cache.length if t_new > 1 else -1,
-                                  key_rows=cache.key_rows)
+            attn = self.self_attn(y, kv, mask, projected=q)
         x = self.res_self.outer(x, attn)
         y = self.res_cross.inner(x)
         group = 1 if cache is None else cache.group
-        x = self.res_cross.outer(x, self.cross_attn(y, cross_kv, cross_mask, group=group,
-                                                    key_len=cross_len))
+        x = self.res_cross.outer(x, self.cross_attn(y, cross_kv, cross_mask, group=group))
         return self.res_ffn.outer(x, self.ffn(self.res_ffn.inner(x)))
 
 
@@ -441,7 +393,11 @@ class Transformer(nn.Module):
         logits = model(src, tgt_in)                      # training, teacher forcing
         memory, src_mask = model.encode(src)             # decoding
         cache = model.start_cache(memory, src_mask)      # cross-attention K/V computed once
-        logits = model.decode_step(tokens, cache)        # (B, V) for the next token
+        logits = model.decode_step(tokens, cache)        # (B, t_new, V); [:, -1] is next
+
+    This is the paper's model in torch and nothing else. Decoding on a CPU runs it through
+    :mod:`aiayn.model.engine` (the same encode / start_cache / decode_step, in aiayn's
+    compiled CPU code, or an int8 copy's), which reads this model's weights and changes nothing.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -467,23 +423,6 @@ class Transformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
         self.decoder_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if pre else None
         self.embed_scale = math.sqrt(cfg.d_model)
-        # an inference stand-in for the tied pre-softmax map (``project``); None: the map is
-        # F.linear over tgt_embed.weight. Set by quantize_int8 (aiayn.model.quantize).
-        self.output_projection: nn.Module | None = None
-        # decoding's own output map (:meth:`decode_step` with ``compact=True``): only the
-        # tokens the model can produce, ``step_token_ids`` (V',) naming each column's token.
-        # None: decode_step projects onto every token. Set by quantize_int8.
-        self.step_projection: nn.Module | None = None
-        self.step_token_ids: Tensor | None = None
-        # decode_step's layers as one fused int8 step (aiayn.model.fused.FusedInt8Step), or
-        # None: the layers' own modules. Set by quantize_int8.
-        self.int8_step = None
-        # encode's layers over the real tokens only, fused likewise
-        # (aiayn.model.fused.FusedInt8Encoder), or None. Set by quantize_int8.
-        self.int8_encoder = None
-        # the dtype of the self-attention cache's keys and values where decoding's CPU kernels
-        # read them (start_cache), or None: the keys' own. Set by quantize_int8.
-        self.cache_dtype: torch.dtype | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -525,17 +464,6 @@ class Transformer(nn.Module):
         bias[ids.to(bias.device)] = 0.0
         self.final_logits_bias.copy_(bias)
 
-    def output_map(self, token_ids: Tensor) -> nn.Module:
-        """The pre-softmax map onto ``token_ids`` (long (k,)) only, for a vocabulary
-        shortlist (:mod:`aiayn.decoding.shortlist`): (…, d_model) -> (…, k), column j giving
-        token ``token_ids[j]`` the logit :meth:`project` gives it (bit for bit on an int8
-        copy, whose rows keep their scales; within float rounding otherwise). The final
-        LayerNorm of a pre-norm stack is not in it (:meth:`decode_step` applies it)."""
-        if self.output_projection is not None:
-            return self.output_projection.rows(token_ids)
-        bias = None if self.final_logits_bias is None else self.final_logits_bias[token_ids]
-        return OutputRows(self.tgt_embed.weight[token_ids], bias)
-
     def output_token_ids(self, fixed: int) -> Tensor | None:
         """The tokens the output layer can produce, as long (V',) ids in increasing order, with
         ids 0 .. ``fixed`` - 1 always in (so that in a map onto these columns, column i is token
@@ -575,11 +503,6 @@ class Transformer(nn.Module):
         # §3.4: embedding weights multiplied by sqrt(d_model); §3.5: positions added;
         # §5.4: dropout on the sum.
         weight = embedding.weight
-        if not self.training and kernels.usable(weight, kind="embed"):  # decoding: one pass
-            x = kernels.embed(weight, tokens, self.embed_scale,
-                              self.positions(tokens.shape[1], offset))
-            if x is not None:  # (dropout is off outside training)
-                return x
         if weight.dtype in _REDUCED and weight.requires_grad and torch.is_grad_enabled():
             rows = _LookupSummedInFloat32.apply(tokens, weight)  # bf16 weights (training)
         else:
@@ -613,15 +536,8 @@ class Transformer(nn.Module):
             # each position also sees itself, so a padding row far from any token is not empty
             attn_mask = attn_mask & band | torch.eye(S, dtype=torch.bool, device=src.device)
         x = self._embed(self.src_embed, src, word_dropout=self.config.word_dropout)
-        key_len = None
-        if self.config.attention_window is None and not self.training and kernels.usable(x):
-            key_len = kernels.prefix_lengths(src_mask)  # None unless right-padded
-        if key_len is not None and self.int8_encoder is not None:
-            memory = self.int8_encoder.run(x, key_len)
-            if memory is not None:  # the real positions' numbers, in fewer operations
-                return memory, src_mask
         for layer in self.encoder:
-            x = layer(x, attn_mask, key_len)
+            x = layer(x, attn_mask)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
         return x, src_mask
@@ -662,8 +578,6 @@ class Transformer(nn.Module):
         """Pre-softmax linear map (tied to the target embedding, §3.4): (…, d) -> (…, V_tgt)."""
         if self.decoder_norm is not None:
             x = self.decoder_norm(x)
-        if self.output_projection is not None:
-            return self.output_projection(x)
         return F.linear(x, self.tgt_embed.weight, self.final_logits_bias)
 
     def forward(self, src: Tensor, tgt_in: Tensor, src_mask: Tensor | None = None,
@@ -680,92 +594,26 @@ class Transformer(nn.Module):
         positions to reserve (the longest output plus its start token, when known; the cache
         grows past it if needed)."""
         cross = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        window = self.config.attention_window
-        # on the CPU kernels, beams reorder a table of rows, not their keys (DecoderCache)
-        gather = window is None and not self.training and kernels.usable(memory)
-        # an int8 copy keeps its self-attention keys and values in bfloat16 where the kernels
-        # read them: each step reads half the bytes (quantize_int8's ``kv_bf16``)
-        kv_dtype = self.cache_dtype if gather else None
-        if kv_dtype is not None:  # the encoder's keys and values alike, read at every step:
-            # in one copy, contiguous per (sentence, head), the layout the kernels stream best
-            cross = [(k.to(kv_dtype, memory_format=torch.contiguous_format),
-                      v.to(kv_dtype, memory_format=torch.contiguous_format)) for k, v in cross]
-        return DecoderCache.start(cross, src_mask, window=window, capacity=capacity,
-                                  gather=gather, kv_dtype=kv_dtype)
+        return DecoderCache.start(cross, src_mask, window=self.config.attention_window,
+                                  capacity=capacity)
 
-    def decode_step(self, tokens: Tensor, cache: DecoderCache, compact: bool = False,
-                    projection: nn.Module | None = None, log_probs: bool = False,
-                    greedy: tuple | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """Logits for the position after ``tokens``, reusing and extending ``cache``.
+    def decode_step(self, tokens: Tensor, cache: DecoderCache) -> Tensor:
+        """Logits for the positions after ``tokens``, reusing and extending ``cache``.
 
         Args:
             tokens: (B, t_new) ids of the newest positions (usually t_new = 1).
             cache: from :meth:`start_cache`, holding the t positions decoded before; it is
                 extended in place by t_new positions.
-            compact: where :attr:`step_projection` is set, score only the producible tokens:
-                column j is token ``step_token_ids[j]`` (see :meth:`output_token_ids`).
-            projection: score with this map instead (an :meth:`output_map`: a shortlist's
-                columns); it wins over ``compact``.
-            log_probs: return float32 log-probabilities over the columns instead, the
-                log-softmax of the logits (:func:`aiayn.model.kernels.log_softmax`), from an
-                int8 output map in one kernel
-                (:meth:`aiayn.model.quantize.Int8Linear.log_softmax`).
-            greedy: with ``log_probs`` and t_new = 1, ``(eos, eos_banned, eos_only)``, greedy
-                search's length rules (:func:`aiayn.model.kernels.rescale_greedy`): where an
-                int8 output map's kernel can, return each row's choice under them instead
-                (:meth:`aiayn.model.quantize.Int8Linear.greedy`), no row of log-probabilities
-                written; elsewhere the log-probabilities, as without it.
 
         Returns:
-            logits (B, t_new, V_tgt), (B, t_new, V') with ``compact`` where
-            :attr:`step_projection` is set, or (B, t_new, k) with ``projection``;
-            ``[:, -1]`` scores the next token. With ``greedy``, where its kernel ran: (column
-            long (B,), log-probability float32 (B,)).
+            logits (B, t_new, V_tgt); ``[:, -1]`` scores the next token.
         """
         cross_mask = cache.src_mask[:, None, None, :]
         x = self._embed(self.tgt_embed, tokens, offset=cache.length)
-        cross_len = None
-        if not self.training and kernels.usable(x):
-            cross_len = cache.source_lengths()  # None unless right-padded
-        fused = None if self.int8_step is None else self.int8_step.run(x, cache, cross_len)
-        if fused is not None:  # the same numbers in fewer Python-level operations
-            x = fused
-        else:
-            for i, layer in enumerate(self.decoder):
-                x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i,
-                          cross_len=cross_len)
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, cache.cross[i], cross_mask, cache=cache, layer=i)
         cache.advance(tokens.shape[1])
-        if projection is None and compact:
-            projection = self.step_projection
-        if projection is None and self.output_projection is not None:
-            projection = self.output_projection
-        if projection is None:
-            logits = self.project(x)
-            return kernels.log_softmax(logits) if log_probs else logits
-        if self.decoder_norm is not None:
-            x = self.decoder_norm(x)
-        if log_probs and greedy is not None and tokens.shape[1] == 1:
-            pick = getattr(projection, "greedy", None)  # an int8 map's choice, in one kernel
-            found = None if pick is None else pick(x[:, -1], *greedy)
-            if found is not None:
-                return found
-        if log_probs:
-            fused = getattr(projection, "log_softmax", None)  # an int8 map's one kernel
-            return fused(x) if fused is not None else kernels.log_softmax(projection(x))
-        return projection(x)
-
-
-class OutputRows(nn.Module):
-    """``y = x W^T + b`` over some rows of the tied output matrix (:meth:`Transformer.
-    output_map`): weight (k, d_model), bias (k,) or None."""
-
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.project(x)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from aiayn.data.vocab import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Vocabulary
+from aiayn.decoding.search import StepFunction
 from aiayn.parsing.trees import CLOSE, PLACEHOLDER, TargetForm, is_close, is_open
 
 NEG_INF = float("-inf")
@@ -75,7 +76,7 @@ class TreeVocabulary:
         return out
 
 
-class ConstrainedStep:
+class ConstrainedStep(StepFunction):
     """A :class:`~aiayn.decoding.search.StepFunction` over ``inner`` that masks the logits of
     tokens breaking the tree (module docstring).
 
@@ -180,6 +181,7 @@ def parse(model, vocab: Vocabulary, sentences: list[list[str]], *, beam_size: in
     from aiayn.decoding.search import (CachedStep, EnsembleStep, beam_search, greedy_search,
                                        max_output_lengths)
     from aiayn.decoding.translate import encode_sources
+    from aiayn.model.engine import as_engine
 
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     model = models[0]
@@ -202,7 +204,7 @@ def parse(model, vocab: Vocabulary, sentences: list[list[str]], *, beam_size: in
         src = pad_sources([sources[i] for i in chunk]).to(device)
         n_words = torch.tensor([len(sentences[i]) for i in chunk], device=device)
         max_lens = max_output_lengths(n_words, 1.0, max_len_b, model.config.max_len)
-        steps = [CachedStep.start(m, *m.encode(src)) for m in models]
+        steps = [CachedStep.start(e, *e.encode(src)) for e in map(as_engine, models)]
         step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
         if constrained:
             step = ConstrainedStep(step, tv, n_words, max_lens,
