@@ -148,7 +148,25 @@ def read_input(path: str | None) -> list[str]:
 
     if path in (None, "-"):
         return decode_lines(sys.stdin.buffer.read(), "<stdin>")
+    _refuse_binary_file(path)
     return read_lines(path)
+
+
+def _refuse_binary_file(path: str) -> None:
+    """A file whose first 8 KiB hold a NUL byte is binary (as git and grep judge), and is
+    named so before its bytes are read as lines."""
+    from pathlib import Path
+
+    from aiayn.errors import DataError
+
+    file = Path(path)
+    if file.suffix == ".gz" or not file.is_file():
+        return  # read_lines says what is wrong, if anything
+    with open(file, "rb") as f:
+        head = f.read(8192)
+    if b"\x00" in head:
+        raise DataError(f"{file}: a binary file, not text (a NUL byte at byte "
+                        f"{head.index(bytes(1))}); translate reads UTF-8 text")
 
 
 def read_document(path: str | None) -> str:
