@@ -83,9 +83,10 @@ def main() -> None:
     identical = sum(doc_of.get(sp) == t for sp, t in zip(spans, by_line))
 
     ref_paras = group(ref, sizes)
-    bleu_doc = sacrebleu.corpus_bleu(out_paras, [ref_paras])
-    bleu_lines = sacrebleu.corpus_bleu(group(by_line, sizes), [ref_paras])
-    bleu_sent = sacrebleu.corpus_bleu(by_line, [ref])
+    bleu = sacrebleu.BLEU()
+    bleu_doc = bleu.corpus_score(out_paras, [ref_paras])
+    bleu_lines = bleu.corpus_score(group(by_line, sizes), [ref_paras])
+    bleu_sent = bleu.corpus_score(by_line, [ref])
     report = {
         "sentences": len(src), "paragraphs": len(sizes),
         "segments_found": len(doc.spans),
@@ -97,7 +98,7 @@ def main() -> None:
         "bleu_paragraphs_document": round(bleu_doc.score, 2),
         "bleu_paragraphs_lines": round(bleu_lines.score, 2),
         "bleu_sentences_lines": round(bleu_sent.score, 2),
-        "signature": str(sacrebleu.BLEU().get_signature()),
+        "signature": str(bleu.get_signature()),
         "checkpoint": args.checkpoint, "beam": args.beam or translator.decode_config.beam_size,
     }
     if args.json:

@@ -146,27 +146,31 @@ def read_input(path: str | None) -> list[str]:
     """Lines of ``path`` (``-`` or None: standard input), checked to be UTF-8."""
     from aiayn.evaluation.bleu import decode_lines, read_lines
 
+    from pathlib import Path
+
     if path in (None, "-"):
-        return decode_lines(sys.stdin.buffer.read(), "<stdin>")
-    _refuse_binary_file(path)
+        data = sys.stdin.buffer.read()
+        refuse_binary(data, "<stdin>")
+        return decode_lines(data, "<stdin>")
+    if Path(path).suffix != ".gz" and Path(path).is_file():  # else read_lines says what is wrong
+        with open(path, "rb") as f:
+            refuse_binary(f.read(8192), path)  # the first 8 KiB, as git and grep judge
     return read_lines(path)
 
 
-def _refuse_binary_file(path: str) -> None:
-    """A file whose first 8 KiB hold a NUL byte is binary (as git and grep judge), and is
-    named so before its bytes are read as lines."""
-    from pathlib import Path
+def refuse_binary(data: bytes, name: str) -> None:
+    """Refuse the input's bytes (or their start) if they hold a NUL byte: valid UTF-8, but
+    no text; a binary file given by mistake (a weights file, an archive).
 
+    Raises:
+        DataError: naming ``name`` and the NUL's byte offset.
+    """
     from aiayn.errors import DataError
 
-    file = Path(path)
-    if file.suffix == ".gz" or not file.is_file():
-        return  # read_lines says what is wrong, if anything
-    with open(file, "rb") as f:
-        head = f.read(8192)
-    if b"\x00" in head:
-        raise DataError(f"{file}: a binary file, not text (a NUL byte at byte "
-                        f"{head.index(bytes(1))}); translate reads UTF-8 text")
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{name}: a binary file, not text (a NUL byte at byte {nul}); "
+                        "translate reads UTF-8 text")
 
 
 def read_document(path: str | None) -> str:
@@ -200,15 +204,12 @@ def read_document(path: str | None) -> str:
             raise DataError(f"{file}: read failed ({err})") from None
     if not data:
         raise UserError(f"{name}: the document is empty (0 bytes), nothing to translate")
-    nul = data.find(b"\x00")
-    if nul >= 0:
-        raise DataError(f"{name}: a binary file, not text (a NUL byte at byte {nul}); "
-                        "--document reads UTF-8 text")
+    refuse_binary(data, name)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        raise DataError(f"{name}, line {line}: invalid UTF-8 ({err.reason}); --document reads "
+        raise DataError(f"{name}, line {line}: invalid UTF-8 ({err.reason}); translate reads "
                         "UTF-8 text") from None
 
 
@@ -227,8 +228,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="K translations per line (needs beam search); as text, K lines "
                         "'LINE ||| translation ||| score' per input line (LINE counts from 0)")
     p.add_argument("--json", action="store_true",
-                   help="one JSON object per input line: line number, translations with "
-                        "text, score and log_prob")
+                   help="one JSON object per input line: line number, parts (1: it fit the "
+                        "model; more: translated in parts), translations with text, score and "
+                        "log_prob; with --document, one object: the text and each sentence")
     p.add_argument("--document", action="store_true",
                    help="the input is a document: paragraphs separated by blank lines, each "
                         "cut into sentences (with the source language's abbreviations), all "
@@ -265,7 +267,6 @@ def run(args: argparse.Namespace) -> int:
         _write(data, args.output if to_file else None)
         return 0
     lines = read_input(args.input)
-    _refuse_binary(lines, args.input)
     translator = load_translator(args, "translate")
     options = decode_options(args, nbest=args.nbest)
     parts = [1] * len(lines)
@@ -287,14 +288,6 @@ def run(args: argparse.Namespace) -> int:
             out.append(_one_line(translations[0].text))
     _write("".join(line + "\n" for line in out).encode("utf-8"), args.output if to_file else None)
     return 0
-
-
-def _refuse_binary(lines: list[str], path: str | None) -> None:
-    """A NUL byte is valid UTF-8 but no text: the input is a binary file."""
-    for n, line in enumerate(lines, 1):
-        if "\x00" in line:
-            name = "<stdin>" if path in (None, "-") else path
-            raise UserError(f"{name}, line {n}: a NUL byte: a binary file, not text")
 
 
 def _translate_document(args: argparse.Namespace, text: str, progress: bool) -> bytes:
