@@ -40,11 +40,87 @@ from aiayn.config import Config, DecodeConfig
 from aiayn.errors import ConfigError
 from aiayn.pretrained import Pretrained, load_pretrained
 
-__all__ = ["Pretrained", "Translator", "load_pretrained"]  # the loader: aiayn.pretrained
+__all__ = ["DocumentTranslation", "Pretrained", "TextTranslations", "Translator",
+           "join_parts", "load_pretrained"]  # the loader: aiayn.pretrained
 
 _DECODE_FIELDS = tuple(f.name for f in dataclasses.fields(DecodeConfig))
 
 logger = logging.getLogger("aiayn")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTranslations:
+    """What :meth:`Translator.generate_text` gives for N lines.
+
+    Attributes:
+        translations: per line, up to ``nbest`` :class:`~aiayn.decoding.Translation`s.
+        parts: per line, the parts it was translated in (1: it fit the model's max_len).
+    """
+
+    translations: list[list[Any]]
+    parts: list[int]
+
+    @property
+    def split(self) -> list[int]:
+        """The 1-based numbers of the lines translated in parts."""
+        return [n for n, k in enumerate(self.parts, 1) if k > 1]
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentTranslation:
+    """What :meth:`Translator.translate_document` gives.
+
+    Attributes:
+        text: the translated document, laid out as the source.
+        document: the source cut into sentences (:class:`aiayn.data.segment.Document`).
+        translations: one text per source sentence.
+        parts: per sentence, the parts it was translated in (1: it fit the model's max_len).
+    """
+
+    text: str
+    document: Any
+    translations: list[str]
+    parts: list[int]
+
+    @property
+    def split(self) -> list[int]:
+        """The 1-based numbers of the sentences translated in parts."""
+        return [n for n, k in enumerate(self.parts, 1) if k > 1]
+
+
+def join_parts(results: list[list[Any]], counts: list[int]) -> list[list[Any]]:
+    """Put back together the translations of lines decoded in parts.
+
+    Args:
+        results: per part, its alternatives (:class:`~aiayn.decoding.Translation`), the parts
+            of each line consecutive.
+        counts: per line, its number of parts (they sum to ``len(results)``).
+
+    Returns:
+        Per line, its alternatives: a one-part line's as they are; a split line's k-th one
+        joins its parts' k-th texts with a space, sums their ``score`` and ``log_prob``, and
+        concatenates their tokens with one EOS at the end.
+    """
+    from aiayn.data.vocab import EOS_ID
+    from aiayn.decoding import Translation
+
+    if sum(counts) != len(results):
+        raise ValueError(f"join_parts: {len(results)} results for {sum(counts)} parts")
+    out, i = [], 0
+    for k in counts:
+        group, i = results[i:i + k], i + k
+        if k == 1:
+            out.append(group[0])
+            continue
+        joined = []
+        for r in range(min(len(alts) for alts in group)):
+            ts = [alts[r] for alts in group]
+            tokens = [t for x in ts for t in x.tokens if t != EOS_ID] + [EOS_ID]
+            joined.append(Translation(" ".join(x.text for x in ts if x.text),
+                                      sum(x.score for x in ts), sum(x.log_prob for x in ts),
+                                      tokens))
+        out.append(joined)
+    return out
 
 
 class Translator:
@@ -229,7 +305,9 @@ class Translator:
                 :attr:`decode_config` (§6.1: beam 4, alpha 0.6, input + 50 tokens).
             nbest: translations per line (needs beam search).
             sampling: a :class:`~aiayn.decoding.SamplingConfig` to sample instead.
-            long_inputs: "truncate" (with a warning) or "error".
+            long_inputs: "truncate" (with a warning), "error", or "split": a line longer than
+                the model's ``max_len`` is translated in parts and joined, with a warning
+                naming it (:meth:`generate_text`).
             preprocessed: the lines are the model's text already (``data.preprocess``
                 applied), as the training corpus is.
             workers: decode in this many processes (default :attr:`workers`; see
@@ -243,6 +321,12 @@ class Translator:
         """
         from aiayn.decoding import translate_nbest
 
+        if long_inputs == "split":  # cut and joined around the search (generate_text)
+            return self.generate_text(
+                lines, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
+                max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules, nbest=nbest,
+                sampling=sampling, preprocessed=preprocessed, progress=progress, warn=warn,
+                workers=workers, **engine).translations
         warn = warn or self.warn
         decode = self.decode_settings(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                              max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
@@ -261,6 +345,105 @@ class Translator:
         if nbest == 1:
             return [t[0].text for t in out]
         return [[t.text for t in ts] for ts in out]
+
+    # --- real text: long lines and documents (aiayn.data.segment) -------------------------
+    @property
+    def max_source_tokens(self) -> int:
+        """The most subword tokens a source line may have, EOS included: the smallest
+        ``model.max_len`` of the models (the positional table, §3.5)."""
+        return min(m.config.max_len for m in self.models)
+
+    def split_long_lines(self, lines: Sequence[str], *, lang: str | None = None,
+                         preprocessed: bool = False) -> list[list[str]]:
+        """Each line's parts: ``[line]`` when its subword tokens with EOS fit
+        :attr:`max_source_tokens`, else the parts :func:`aiayn.data.segment.split_long` cuts
+        it into (at sentence ends, then ``;`` ``:``, then commas, then a window of words),
+        each of which fits.
+
+        Args:
+            lang: the source language for the sentence splitter (default ``data.src_lang``).
+            preprocessed: the lines are the model's text already (``data.preprocess``).
+        """
+        from aiayn.data.segment import split_long
+
+        lang = lang or self.config.data.src_lang
+        limit = self.max_source_tokens
+        quiet = lambda msg: None  # noqa: E731  (the caller warns about the input once)
+
+        def read(texts: list[str]) -> list[str]:
+            return list(texts) if preprocessed else self.preprocess(texts, warn=quiet)
+
+        def fits(part: str) -> bool:
+            return len(self.vocab.encode(read([part])[0])) + 1 <= limit
+
+        lines = list(lines)
+        counts = [len(ids) + 1 for ids in self.vocab.encode_batch(read(lines))] if lines else []
+        return [[line] if n <= limit else split_long(line, lang, fits)
+                for line, n in zip(lines, counts)]
+
+    def generate_text(self, lines: Sequence[str], *, lang: str | None = None, nbest: int = 1,
+                      preprocessed: bool = False, warn: Callable[[str], None] | None = None,
+                      **options: Any) -> TextTranslations:
+        """:meth:`generate` for text of any length: a line longer than the model's ``max_len``
+        is cut into parts (:meth:`split_long_lines`), the parts are decoded in the same batch
+        as the other lines, and their translations joined with a space, in order. Nothing is
+        truncated; ``warn`` names the lines that were split.
+
+        A split line's k-th alternative joins its parts' k-th ones (as many as every part
+        has); its ``log_prob`` and ``score`` are the parts' sums and its ``tokens`` the parts'
+        ids with one EOS at the end.
+
+        Args:
+            lang: the source language for the sentence splitter (default ``data.src_lang``).
+            options: as :meth:`generate` (``long_inputs`` excepted).
+
+        Returns:
+            A :class:`TextTranslations`: per line, up to ``nbest`` translations, and its count
+            of parts.
+
+        Raises:
+            aiayn.errors.ConfigError: bad settings (naming them).
+        """
+        warn = warn or self.warn
+        lines = list(lines)
+        if not preprocessed:
+            lines = self.preprocess(lines, warn=warn)  # warned about once, here
+        parts = self.split_long_lines(lines, lang=lang, preprocessed=True)
+        flat = [p for ps in parts for p in ps]
+        out = self.generate(flat, nbest=nbest, long_inputs="error", preprocessed=True,
+                            warn=warn, **options)
+        counts = [len(ps) for ps in parts]
+        split = [n for n, k in enumerate(counts, 1) if k > 1]
+        if split:
+            shown = ", ".join(map(str, split[:10])) + (", ..." if len(split) > 10 else "")
+            warn(f"{len(split)} input line(s) longer than the model's max_len="
+                 f"{self.max_source_tokens} tokens, translated in parts and joined "
+                 f"(line {shown})")
+        return TextTranslations(join_parts(out, counts), counts)
+
+    def translate_document(self, text: str, *, lang: str | None = None,
+                           **options: Any) -> DocumentTranslation:
+        """Translate plain text with paragraphs: each paragraph is cut into sentences
+        (:func:`aiayn.data.segment.segment`, with the source language's abbreviations), all
+        sentences are decoded as one batch (a sentence too long for the model in parts, as
+        :meth:`generate_text`), and the translations are put back with every paragraph break,
+        blank line and leading and trailing whitespace kept (:meth:`Document.rejoin`).
+
+        Args:
+            text: the document; paragraphs are separated by blank lines, and a line break
+                between two sentences is kept (so one sentence a line stays so).
+            lang: the source language (default: the model's ``data.src_lang``).
+            options: as :meth:`generate` (``nbest`` and ``long_inputs`` excepted).
+
+        Returns:
+            A :class:`DocumentTranslation` (``.text``: the translated document).
+        """
+        from aiayn.data.segment import segment
+
+        doc = segment(text, lang or self.config.data.src_lang)
+        result = self.generate_text(doc.sentences, lang=lang, **options)
+        texts = [ts[0].text for ts in result.translations]
+        return DocumentTranslation(doc.rejoin(texts), doc, texts, result.parts)
 
     # --- scoring and attention --------------------------------------------------------------
     @torch.inference_mode()

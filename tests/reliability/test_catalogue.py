@@ -301,6 +301,13 @@ CASES = [
     C("translate", "--device unknown", TR + " --device gpu", "gpu"),
     C("translate", "a line too long with --reject-long", "translate --checkpoint " + RUN +
       " -i {ws}/long.txt --reject-long", "line 1"),
+    C("translate", "--document of 0 bytes", TR.replace("in.txt", "empty.txt") + " --document",
+      "{ws}/empty.txt", "0 bytes"),
+    C("translate", "--document a binary file (a weights file)", "translate --checkpoint " + RUN
+      + " -i " + CK + "/model.safetensors --document", CK + "/model.safetensors", "binary"),
+    C("translate", "a binary file (a weights file)", "translate --checkpoint " + RUN + " -i "
+      + CK + "/model.safetensors", CK + "/model.safetensors"),
+    C("translate", "--document with --nbest 2", TR + " --document --nbest 2", "--nbest"),
     # --- evaluate ----------------------------------------------------------------------------
     C("evaluate", "neither --hyp nor --src", "evaluate --ref {ws}/ref.txt", "--hyp"),
     C("evaluate", "--hyp and --src", "evaluate --hyp {ws}/hyp.txt --src {ws}/in.txt "

@@ -1,4 +1,7 @@
-"""``aiayn translate``: translate a file or standard input line by line with a checkpoint."""
+"""``aiayn translate``: translate a file or standard input line by line with a checkpoint, or
+a document (``--document``: paragraphs cut into sentences and put back, :mod:`aiayn.data.segment`).
+A line longer than the model's ``max_len`` is translated in parts and joined, and stderr says
+which (``--reject-long``: an error instead)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from aiayn.precision import DECODE_PRECISIONS
 from aiayn.rundir import GENERATION_CONFIG
 
 HELP = ("Translate text line by line with a checkpoint (beam search as §6.1 by default); one "
-        "output line per input line.")
+        "output line per input line; or a document of paragraphs (--document).")
 
 
 def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool = True) -> None:
@@ -45,7 +48,8 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--reject-long", action="store_true",
                    help="fail on an input line longer than the model's max_len instead of "
-                        "truncating it with a warning")
+                        "translating it in parts (cut at sentence ends, then ; :, then commas, "
+                        "then a window of words) and joining them, with a note on stderr")
     p.add_argument("--device", default=None,
                    help="torch device (default: cuda when available, else cpu)")
     p.add_argument("--precision", choices=DECODE_PRECISIONS, default=None,
@@ -122,7 +126,7 @@ def decode_options(args: argparse.Namespace, nbest: int = 1) -> dict:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     return dict(beam_size=args.beam, alpha=args.alpha, max_len_a=args.max_len_a,
                 max_len_b=args.max_len_b, batch_size=args.batch_size, nbest=nbest,
-                sampling=sampling, long_inputs="error" if args.reject_long else "truncate")
+                sampling=sampling, long_inputs="error" if args.reject_long else "split")
 
 
 def load_translator(args: argparse.Namespace, command: str):
@@ -144,9 +148,71 @@ def read_input(path: str | None) -> list[str]:
     """Lines of ``path`` (``-`` or None: standard input), checked to be UTF-8."""
     from aiayn.evaluation.bleu import decode_lines, read_lines
 
+    from pathlib import Path
+
     if path in (None, "-"):
-        return decode_lines(sys.stdin.buffer.read(), "<stdin>")
+        data = sys.stdin.buffer.read()
+        refuse_binary(data, "<stdin>")
+        return decode_lines(data, "<stdin>")
+    if Path(path).suffix != ".gz" and Path(path).is_file():  # else read_lines says what is wrong
+        with open(path, "rb") as f:
+            refuse_binary(f.read(8192), path)  # the first 8 KiB, as git and grep judge
     return read_lines(path)
+
+
+def refuse_binary(data: bytes, name: str) -> None:
+    """Refuse the input's bytes (or their start) if they hold a NUL byte: valid UTF-8, but
+    no text; a binary file given by mistake (a weights file, an archive).
+
+    Raises:
+        DataError: naming ``name`` and the NUL's byte offset.
+    """
+    from aiayn.errors import DataError
+
+    nul = data.find(b"\x00")
+    if nul >= 0:
+        raise DataError(f"{name}: a binary file, not text (a NUL byte at byte {nul}); "
+                        "translate reads UTF-8 text")
+
+
+def read_document(path: str | None) -> str:
+    """The whole text of ``path`` (``-`` or None: standard input; ``.gz`` read transparently),
+    exactly as written (line ends, blank lines and surrounding whitespace kept).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UserError: an empty file (0 bytes).
+        DataError: a folder, a broken gzip stream, a binary file (a NUL byte) or text that is
+            not UTF-8 (naming the line).
+    """
+    import gzip
+    import zlib
+    from pathlib import Path
+
+    from aiayn.errors import DataError
+
+    name = "<stdin>" if path in (None, "-") else path
+    if path in (None, "-"):
+        data = sys.stdin.buffer.read()
+    else:
+        file = Path(path)
+        if file.is_dir():
+            raise DataError(f"{file}: is a directory, not a text file")
+        if not file.is_file():
+            raise FileNotFoundError(f"file not found: {file}")
+        try:
+            data = gzip.open(file).read() if file.suffix == ".gz" else file.read_bytes()
+        except (OSError, EOFError, zlib.error) as err:
+            raise DataError(f"{file}: read failed ({err})") from None
+    if not data:
+        raise UserError(f"{name}: the document is empty (0 bytes), nothing to translate")
+    refuse_binary(data, name)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise DataError(f"{name}, line {line}: invalid UTF-8 ({err.reason}); translate reads "
+                        "UTF-8 text") from None
 
 
 def warner(command: str):
@@ -155,7 +221,8 @@ def warner(command: str):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-i", "--input", default=None, metavar="FILE",
-                   help="UTF-8 text, one sentence per line (.gz ok); default: standard input")
+                   help="UTF-8 text, one sentence per line (.gz ok); with --document, "
+                        "paragraphs; default: standard input")
     p.add_argument("-o", "--output", default=None, metavar="FILE",
                    help="where to write (a progress bar shows); default: standard output")
     add_decode_arguments(p)
@@ -163,8 +230,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="K translations per line (needs beam search); as text, K lines "
                         "'LINE ||| translation ||| score' per input line (LINE counts from 0)")
     p.add_argument("--json", action="store_true",
-                   help="one JSON object per input line: line number, translations with "
-                        "text, score and log_prob")
+                   help="one JSON object per input line: line number, parts (1: it fit the "
+                        "model; more: translated in parts), translations with text, score and "
+                        "log_prob; with --document, one object: the text and each sentence")
+    p.add_argument("--document", action="store_true",
+                   help="the input is a document: paragraphs separated by blank lines, each "
+                        "cut into sentences (with the source language's abbreviations), all "
+                        "translated as one batch and put back with every line break, blank "
+                        "line and surrounding space kept; one sentence a line stays so")
+    p.add_argument("--lang", default=None, metavar="CODE",
+                   help="the source language for cutting sentences (ISO 639, e.g. en; "
+                        "default: the model's data.src_lang)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -175,35 +251,81 @@ def _one_line(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from aiayn.devices import choose_device
-    from aiayn.fileio import atomic_file, check_output_file
+    from aiayn.fileio import check_output_file
 
     if args.nbest < 1:
         raise UserError(f"--nbest must be >= 1, got {args.nbest}")
+    if args.document and args.nbest > 1:
+        raise UserError(f"--nbest {args.nbest} needs one sentence a line; --document gives "
+                        "one translated document")
     check_decode_arguments(args)
     choose_device(args.device)
     to_file = args.output not in (None, "-")
     if to_file:  # before the whole input is decoded, not after
         check_output_file(args.output)
+    progress = args.output is not None and not args.quiet
+    if args.document:
+        data = _translate_document(args, read_document(args.input), progress)
+        _write(data, args.output if to_file else None)
+        return 0
     lines = read_input(args.input)
     translator = load_translator(args, "translate")
-    results = translator.generate(lines, progress=args.output is not None and not args.quiet,
-                                  **decode_options(args, nbest=args.nbest))
+    options = decode_options(args, nbest=args.nbest)
+    parts = [1] * len(lines)
+    if options["long_inputs"] == "split":
+        del options["long_inputs"]
+        result = translator.generate_text(lines, lang=args.lang, progress=progress, **options)
+        results, parts = result.translations, result.parts
+    else:
+        results = translator.generate(lines, progress=progress, **options)
     out = []
     for n, translations in enumerate(results):
         if args.json:
-            out.append(json.dumps({"line": n + 1, "translations": [
+            out.append(json.dumps({"line": n + 1, "parts": parts[n], "translations": [
                 {"text": t.text, "score": t.score, "log_prob": t.log_prob}
                 for t in translations]}, ensure_ascii=False))
         elif args.nbest > 1:
             out.extend(f"{n} ||| {_one_line(t.text)} ||| {t.score:.4f}" for t in translations)
         else:
             out.append(_one_line(translations[0].text))
-    data = "".join(line + "\n" for line in out).encode("utf-8")
-    if not to_file:
+    _write("".join(line + "\n" for line in out).encode("utf-8"), args.output if to_file else None)
+    return 0
+
+
+def _translate_document(args: argparse.Namespace, text: str, progress: bool) -> bytes:
+    """The translated document as UTF-8 (``--json``: one JSON object with each sentence)."""
+    translator = load_translator(args, "translate")
+    options = decode_options(args)
+    del options["nbest"]
+    if options.pop("long_inputs") == "error":  # --reject-long: refused before decoding
+        from aiayn.data.segment import segment
+
+        sentences = segment(text, args.lang or translator.config.data.src_lang).sentences
+        long = [n for n, ps in enumerate(translator.split_long_lines(sentences, lang=args.lang),
+                                         1) if len(ps) > 1]
+        if long:
+            raise UserError(f"sentence {long[0]} of the document is longer than the model's "
+                            f"max_len={translator.max_source_tokens} tokens (--reject-long); "
+                            "shorten it, or leave out --reject-long to translate it in parts")
+    result = translator.translate_document(text, lang=args.lang, progress=progress, **options)
+    if not args.json:
+        return result.text.encode("utf-8")
+    doc = result.document
+    sentences = [{"sentence": n + 1, "paragraph": doc.paragraphs[n] + 1, "source": src,
+                  "translation": result.translations[n], "parts": result.parts[n]}
+                 for n, src in enumerate(doc.sentences)]
+    return (json.dumps({"text": result.text, "sentences": sentences, "split": result.split},
+                       ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def _write(data: bytes, path: str | None) -> None:
+    """``data`` to ``path`` atomically, or to standard output (None)."""
+    from aiayn.fileio import atomic_file
+
+    if path is None:
         sys.stdout.buffer.write(data) if hasattr(sys.stdout, "buffer") else \
             sys.stdout.write(data.decode("utf-8"))
         sys.stdout.flush()
     else:
-        with atomic_file(args.output) as f:
+        with atomic_file(path) as f:
             f.write(data)
-    return 0

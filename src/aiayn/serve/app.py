@@ -6,6 +6,14 @@ Endpoints:
 * ``POST /translate`` ``{"lines": [...], "beam": 4, "alpha": 0.6, "nbest": 1}``: every line's
   translations, best first, with score and log-probability (decoded in batches with other
   requests, see :mod:`aiayn.serve.batcher`).
+  With ``"split_long": true``, a line longer than the model's ``max_len`` is translated in
+  parts and joined (:meth:`aiayn.Translator.split_long_lines`) instead of answering 413;
+  ``parts`` says, per line, how many parts it was translated in (1: it fit).
+* ``POST /document`` ``{"text": "...", "lang": "en", "beam": 4, "alpha": 0.6}``: plain text
+  with paragraphs, cut into sentences (:mod:`aiayn.data.segment`), decoded as one batch
+  (an over-long sentence in parts) and put back with its line breaks, blank lines and
+  surrounding whitespace: ``text``, and per sentence its ``source``, ``translation``,
+  ``paragraph`` and ``parts``; ``split`` lists the sentences translated in parts.
 * ``POST /attention`` ``{"source": "...", "target": "..."}``: every layer and head of the
   three kinds of attention for one pair; without ``target``, the model's own beam output.
 * Both answer ``warnings``, a list of sentences, empty when all is well: for now, that the
@@ -49,6 +57,19 @@ class TranslateRequest(BaseModel):
     beam: int | None = Field(None, ge=1, description="beam size; 1 = greedy")
     alpha: float | None = Field(None, ge=0.0, le=10.0, description="length penalty exponent")
     nbest: int = Field(1, ge=1, description="translations per line, <= beam")
+    split_long: bool = Field(False, description="translate a line over the model's max_len "
+                                                "in parts and join them (else 413)")
+
+
+class DocumentRequest(BaseModel):
+    """Body of ``POST /document``: plain text with paragraphs separated by blank lines."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(description="the document")
+    lang: str | None = Field(None, max_length=16, description="source language (ISO 639) for "
+                             "cutting sentences; default: the model's data.src_lang")
+    beam: int | None = Field(None, ge=1, description="beam size; 1 = greedy")
+    alpha: float | None = Field(None, ge=0.0, le=10.0, description="length penalty exponent")
 
 
 class AttentionRequest(BaseModel):
@@ -162,7 +183,9 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     The batcher starts and stops with the app's lifespan (stopping finishes every queued
     request first, then ends the processes).
     """
+    from aiayn.data.segment import segment
     from aiayn.data.text import tokenized_input_warning
+    from aiayn.translator import join_parts
     from aiayn.decoding.workers import WorkerPool, choose_workers
     from aiayn.model.transformer import count_parameters
 
@@ -284,19 +307,50 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                                          "per item of lines")
             check_chars(line, f"line {n}")
         read = translator.preprocess(req.lines)  # preprocessed once, checked and decoded
-        for n, line in enumerate(read, 1):
-            check_tokens(line, f"line {n}", max_len)
+        if not req.split_long:
+            for n, line in enumerate(read, 1):
+                check_tokens(line, f"line {n}", max_len)
         key = search_settings(req.beam, req.alpha, req.nbest)
+        results, parts, batch_lines = await decode_in_parts(read, key)
+        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
+                                  for t in line] for line in results],
+                "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
+                "parts": parts, "warnings": warnings(req.lines)}
+
+    async def decode_in_parts(read: list[str], key, lang: str | None = None):
+        """``read`` (the model's text) decoded in the batcher, a line over ``max_len`` in
+        parts: (translations per line, parts per line, the batch's lines)."""
+        parts = translator.split_long_lines(read, lang=lang, preprocessed=True)
+        counts = [len(ps) for ps in parts]
+        if sum(counts) > limits.max_lines:
+            raise HTTPException(413, f"{sum(counts)} sentences and parts of long lines in one "
+                                     f"request; at most {limits.max_lines} are accepted")
         try:
-            results, batch_lines = await batcher().submit(read, key)
+            results, batch_lines = await batcher().submit([p for ps in parts for p in ps], key)
         except QueueFullError as err:
             raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from None
         except ShuttingDownError as err:
             raise HTTPException(503, str(err)) from None
-        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
-                                  for t in line] for line in results],
-                "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
-                "warnings": warnings(req.lines)}
+        return join_parts(results, counts), counts, batch_lines
+
+    @app.post("/document")
+    async def document(req: DocumentRequest):
+        check_chars(req.text, "text")
+        doc = segment(req.text, req.lang or config.data.src_lang)
+        if not doc.spans:
+            raise HTTPException(422, "text is empty: give at least one sentence")
+        sources = doc.sentences
+        key = search_settings(req.beam, req.alpha)
+        results, parts, batch_lines = await decode_in_parts(translator.preprocess(sources),
+                                                            key, req.lang)
+        texts = [ts[0].text for ts in results]
+        return {"text": doc.rejoin(texts),
+                "sentences": [{"source": src, "translation": t, "paragraph": p + 1,
+                               "parts": k} for src, t, p, k in zip(sources, texts,
+                                                                     doc.paragraphs, parts)],
+                "split": [n for n, k in enumerate(parts, 1) if k > 1],
+                "beam": key[0], "alpha": key[1], "batch_lines": batch_lines,
+                "warnings": warnings(sources)}
 
     @app.post("/attention")
     async def attention(req: AttentionRequest):
