@@ -72,7 +72,7 @@ def test_the_time_budget_drives_the_decay(schedule: str, at_half: float) -> None
 
 @pytest.mark.parametrize("field, value, match", [
     ("lr_schedule", "step", "lr_schedule"), ("peak_lr", -1e-3, "peak_lr"),
-    ("precision", "fp16", "precision must be one of")])
+    ("precision", "fp8", "precision must be one of")])
 def test_bad_schedule_settings_are_refused(field: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{field: value})

@@ -115,17 +115,20 @@ def test_decoding_defaults_to_fp32_unless_a_check_recorded_another():
     assert all(may_reduce_decoding_precision(p) for p in ("auto", "bf16", "bf16-weights"))
 
 
-def test_the_real_probe_follows_the_cpus_bf16_support():
-    """On the bf16 class (native bf16) the multi30k model's products run 4-5x faster in bf16:
-    auto trains on bf16 weights; on the AVX2 class (real, or simulated with
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) bf16 is emulated, and auto trains in
-    fp32. Both margins are several times the 1.25 the rule needs."""
+def test_the_real_probe_decides_and_emulated_bf16_never_wins():
+    """auto trains on bf16 weights exactly when the probe measured bf16 products
+    BF16_MIN_SPEEDUP times faster than fp32 on this CPU. Where bf16 is emulated (the AVX2
+    class, real or simulated with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) it is
+    5-45x slower, so fp32 is chosen. Native bf16 is not always faster: on the Zen 4 class it
+    ran 4-5x faster, on an Intel Xeon (family 6, model 207, no AMX) 0.56x on one thread, which
+    is why the choice is measured, not read from the CPU's flags."""
     native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     fp32, bf16 = probe_cpu(MODEL)
     assert fp32 > 0 and bf16 > 0
-    assert (bf16 > fp32) == native, (fp32, bf16)
-    assert choose_precision("auto", "cpu", MODEL).chosen == ("bf16-weights" if native
-                                                             else "fp32")
+    if not native:
+        assert bf16 < fp32, (fp32, bf16)
+    want = "bf16-weights" if bf16 >= precision.BF16_MIN_SPEEDUP * fp32 else "fp32"
+    assert choose_precision("auto", "cpu", MODEL).chosen == want, (fp32, bf16)
 
 
 def test_the_decoding_probe_times_a_real_step_and_leaves_the_callers_random_stream():
