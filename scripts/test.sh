@@ -8,4 +8,10 @@ export AIAYN_DATA_DIR="${AIAYN_DATA_DIR:-$(cd .. && pwd)/shared/data}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tiny test models: one thread is fastest
 # one pytest worker a core (pytest-xdist), each test file kept in one worker so its module
 # fixtures are built once; AIAYN_TEST_WORKERS=0 runs in one process
-.venv/bin/python -m pytest -q -n "${AIAYN_TEST_WORKERS:-logical}" --dist loadfile tests "$@"
+workers="${AIAYN_TEST_WORKERS:-logical}"
+.venv/bin/python -m pytest -q -n "$workers" --dist loadfile tests "$@"
+# then the tests that time the machine (marked whole_machine, skipped by the workers), alone;
+# exit 5 is "none selected" (a -k or -m that leaves none of them)
+if [ "$workers" != 0 ]; then
+  AIAYN_WHOLE_MACHINE_ONLY=1 .venv/bin/python -m pytest -q -p no:xdist tests "$@" || [ $? = 5 ]
+fi

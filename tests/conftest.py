@@ -12,6 +12,23 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``whole_machine`` time the machine (a probe of every core), so they must
+    not share it: pytest-xdist's workers skip them, and scripts/test.sh runs them alone after
+    the parallel phase with AIAYN_WHOLE_MACHINE_ONLY=1, which selects only them."""
+    if os.environ.get("AIAYN_WHOLE_MACHINE_ONLY"):
+        others = [item for item in items if "whole_machine" not in item.keywords]
+        if others:
+            config.hook.pytest_deselected(items=others)
+            items[:] = [item for item in items if "whole_machine" in item.keywords]
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
+        skip = pytest.mark.skip(reason="times the machine: scripts/test.sh runs it alone after "
+                                       "the parallel phase")
+        for item in items:
+            if "whole_machine" in item.keywords:
+                item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Training prepares raw files into $AIAYN_CACHE_DIR/prepared (aiayn.data.prepared): in

@@ -33,6 +33,7 @@ def _corpus(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.whole_machine  # its probe times updates on every core
 def test_auto_shape_is_probed_said_and_recorded(tmp_path: Path, capsys) -> None:
     run_dir = tmp_path / "run"
     # tiny as a preset that writes a checkpoint every 60 s, and not the helper's 3 s set by hand:
