@@ -29,7 +29,7 @@ from aiayn.checkpoint import list_checkpoints, load_checkpoint, load_training_st
 
 pytestmark = pytest.mark.slow  # many training processes started and killed
 
-TRIALS = 12
+TRIALS = 10
 
 
 def _env() -> dict[str, str]:

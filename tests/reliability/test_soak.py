@@ -24,7 +24,7 @@ def test_short_soak_passes():
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--minutes", "0.5", "--warmup-s", "5", "--clients", "3",
+        [sys.executable, str(SCRIPT), "--minutes", "0.3", "--warmup-s", "5", "--clients", "3",
          "--inflight", "6", "--json"],
         check=False, capture_output=True, text=True, timeout=150, env=env)
     (artifacts_dir() / "soak_serve_short.json").write_text(proc.stdout)
