@@ -138,6 +138,18 @@ def test_each_epoch_deals_every_kept_pair_once_in_equal_disjoint_shares(tmp_path
                         set(np.concatenate(shares[b]).tolist())
 
 
+def _assert_same_run(cut: Path, whole: Path, steps: int) -> None:
+    """The interrupted-then-resumed run ``cut`` logged the uninterrupted run ``whole``'s loss at
+    every one of ``steps`` steps and ended on its weights (float32 sums in another order: 1e-5)."""
+    resumed, uninterrupted = train_losses(cut), train_losses(whole)
+    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, steps + 1))
+    for step, loss in uninterrupted.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-5), step
+    w_whole, w_cut = _weights(whole, steps), _weights(cut, steps)
+    for key in w_whole:
+        torch.testing.assert_close(w_cut[key], w_whole[key], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_world_times_accumulation_is_one_update(tmp_path: Path) -> None:
     from aiayn.data.batching import make_batch_arrays
@@ -219,13 +231,7 @@ def test_sigterm_mid_epoch_then_resume_continues_the_same_run(tmp_path: Path) ->
                           "--resume", "--no-progress", "--device", "cpu"],
                          env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    resumed, uninterrupted = train_losses(cut), train_losses(whole)
-    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, steps + 1))
-    for step, loss in uninterrupted.items():
-        assert resumed[step] == pytest.approx(loss, rel=1e-5), step
-    w_whole, w_cut = _weights(whole, steps), _weights(cut, steps)
-    for key in w_whole:
-        torch.testing.assert_close(w_cut[key], w_whole[key], rtol=1e-5, atol=1e-6)
+    _assert_same_run(cut, whole, steps)
 
 
 @pytest.mark.slow
@@ -312,13 +318,7 @@ def test_a_killed_worker_restarts_the_job_which_ends_as_the_uninterrupted_run(
     assert killed is not None and killed < steps, text  # killed mid-run, by the test
     assert "aiayn train: resumed from" in text, text  # by the restarted workers, by themselves
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in text  # no warning: it is set
-    resumed, uninterrupted = train_losses(cut), train_losses(whole)
-    assert sorted(resumed) == sorted(uninterrupted) == list(range(1, steps + 1))
-    for step, loss in uninterrupted.items():
-        assert resumed[step] == pytest.approx(loss, rel=1e-5), step
-    w_whole, w_cut = _weights(whole, steps), _weights(cut, steps)
-    for key in w_whole:
-        torch.testing.assert_close(w_cut[key], w_whole[key], rtol=1e-5, atol=1e-6)
+    _assert_same_run(cut, whole, steps)
 
 
 @pytest.mark.slow

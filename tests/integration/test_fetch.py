@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
 import tarfile
 import threading
@@ -13,20 +12,13 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from test_wmt14_recipe import _synthetic  # tests/integration is on sys.path
 
 from aiayn.cli import main
 from aiayn.data.fetch import WMT14, load_manifest, segments, stream_members
 from aiayn.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _synthetic():
-    spec = importlib.util.spec_from_file_location("synthetic_corpus",
-                                                  ROOT / "bench" / "synthetic_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Server:

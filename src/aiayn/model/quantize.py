@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 
 import numpy as np
 import torch
@@ -49,6 +48,7 @@ from aiayn.errors import ConfigError
 from aiayn.model import kernels
 from aiayn.model.engine import Int8Transformer
 from aiayn.model.kernels import weight_levels
+from aiayn.model.kernels.cpu import forced_choice
 from aiayn.model.fused import FusedInt8Encoder, FusedInt8Step
 from aiayn.model.transformer import DecoderLayer, PositionwiseFeedForward
 
@@ -291,13 +291,7 @@ def forced_product() -> str | None:
     Raises:
         ConfigError: a value that names no path.
     """
-    value = os.environ.get(FORCE_PRODUCT, "").strip().lower()
-    if not value:
-        return None
-    if value not in PRODUCT_PATHS:
-        raise ConfigError(f"{FORCE_PRODUCT}={value}: not an int8 product path; use one of "
-                          f"{', '.join(PRODUCT_PATHS)}")
-    return value
+    return forced_choice(FORCE_PRODUCT, PRODUCT_PATHS, "an int8 product path")
 
 
 def _forced_plan(path: str, in_features: int, out_features: int) -> tuple | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -89,12 +90,21 @@ def forced_isa() -> str | None:
     Raises:
         ConfigError: a value that names no variant of :data:`U8S8_VARIANTS`.
     """
-    value = os.environ.get(FORCE_ISA, "").strip().lower()
+    return forced_choice(FORCE_ISA, sorted(U8S8_VARIANTS), "a variant of the int8 product")
+
+
+def forced_choice(variable: str, choices: Sequence[str], what: str) -> str | None:
+    """The environment ``variable``'s value (stripped, lower-cased), or None where it is unset
+    or empty: the one reader of the kernels' forcing variables.
+
+    Raises:
+        ConfigError: a value not in ``choices`` (naming the variable, the value and them).
+    """
+    value = os.environ.get(variable, "").strip().lower()
     if not value:
         return None
-    if value not in U8S8_VARIANTS:
-        raise ConfigError(f"{FORCE_ISA}={value}: not a variant of the int8 product; "
-                          f"use one of {', '.join(sorted(U8S8_VARIANTS))}")
+    if value not in choices:
+        raise ConfigError(f"{variable}={value}: not {what}; use one of {', '.join(choices)}")
     return value
 
 
