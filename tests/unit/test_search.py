@@ -310,3 +310,76 @@ def test_bad_arguments_raise():
         beam_search(StubStep(TABLE), torch.tensor([3]), beam_size=2, nbest=3)
     with pytest.raises(ValueError, match="beam_size"):
         beam_search(StubStep(TABLE), torch.tensor([3]), beam_size=0)
+
+
+class _Recorder:
+    """A score processor that changes nothing and keeps what each step showed it."""
+
+    def __init__(self):
+        self.states = []
+
+    def __call__(self, logp, state):
+        self.states.append((state.t, state.rows.clone(), state.tokens.clone(), logp.shape[0]))
+        return logp
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_processors_see_each_rows_sentence_and_tokens(beam_size):
+    """SearchState.rows names each live row's sentence and SearchState.tokens its tokens so
+    far: every row's tokens are a prefix of a hypothesis its sentence could return, and
+    greedy's rows are the finished outputs' prefixes exactly."""
+    lens = torch.tensor([5, 2, 6])
+    seeds = [3, 4, 5]
+    recorder = _Recorder()
+
+    class Batch(StepFunction):  # three RandomSteps of different seeds as one batch
+        start_id = BOS_ID
+
+        def __init__(self, steps):
+            self.steps = steps
+
+        def __call__(self, tokens):
+            return torch.cat([s(t[None]) for s, t in zip(self.steps, tokens)])
+
+        def select(self, index):
+            return Batch([self.steps[i].select(torch.tensor([0])) for i in index.tolist()])
+
+    step = Batch([RandomStep(s) for s in seeds])
+    if beam_size == 1:
+        out = [[h] for h in greedy_search(step, lens, processors=[recorder])]
+    else:
+        out = beam_search(step, lens, beam_size=beam_size, nbest=1, processors=[recorder])
+    for t, rows, tokens, n in recorder.states:
+        assert rows.shape == (n,) and tokens.shape == (n, t)
+        assert set(rows.tolist()) <= {0, 1, 2}
+        if beam_size == 1:  # greedy: each row is its sentence's output so far
+            for r, toks in zip(rows.tolist(), tokens.tolist()):
+                assert out[r][0].tokens[:t] == toks
+    assert recorder.states[0][1].tolist() == [0, 1, 2]
+
+
+def test_translate_processors_per_line(model, vocab):
+    """A processor from translate_nbest's factory finds each row's line through chunk[rows]:
+    banning a token on one line changes that line alone, whatever the batching."""
+    from aiayn.decoding import translate_nbest
+    from aiayn.config import DecodeConfig
+
+    lines = ["a man", "zwei kinder spielen", "ein mann geht", "the park"]
+    decode = DecodeConfig(beam_size=3, max_len_b=6, batch_size=2)
+    plain = translate_nbest(model, vocab, lines, decode)
+    banned = plain[2][0].tokens[0]  # line 2's first token
+
+    def factory(chunk):
+        def ban(logp, state):
+            on_line = torch.tensor([chunk[r] == 2 for r in state.rows.tolist()])
+            logp[on_line, banned] = float("-inf")
+            return logp
+        return [ban]
+
+    for batch_size in (1, 4):
+        got = translate_nbest(model, vocab, lines,
+                              dataclasses.replace(decode, batch_size=batch_size),
+                              processors=factory)
+        assert [g[0].tokens for i, g in enumerate(got) if i != 2] == \
+            [p[0].tokens for i, p in enumerate(plain) if i != 2]
+        assert banned not in got[2][0].tokens

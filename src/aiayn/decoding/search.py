@@ -43,10 +43,17 @@ class SearchState:
     Attributes:
         t: tokens generated so far (the step scores token t + 1).
         max_lens: long (n,), the tokens each live row may generate before its forced EOS.
+        rows: long (n,), the sentence of each live row: its index in the search's input
+            (0..B-1), so a per-sentence rule (a prefix, a constraint) finds its sentence's
+            data; None where the caller did not say (a hand-made state).
+        tokens: long (n, t), the token ids each live row has generated so far (not the
+            step's columns), oldest first; None where the caller did not say.
     """
 
     t: int
     max_lens: Tensor
+    rows: Tensor | None = None
+    tokens: Tensor | None = None
 
 
 class ScoreProcessor(Protocol):
@@ -300,11 +307,12 @@ def greedy_search(
     out_logp = [0.0] * B
     history: list[Tensor] = []  # (n_t,) chosen tokens per step, rows aligned with `rows` then
     history_rows: list[Tensor] = []
+    seq = torch.empty(B, 0, dtype=torch.long, device=device)  # (n, t) the live rows' tokens
     t = 0
     while rows.numel() > 0:
         if stats is not None:
             stats.count(rows.numel())
-        state = SearchState(t, lens)
+        state = SearchState(t, lens, rows, seq)
         if sampling is None:
             column, chosen_logp = step.greedy(tokens, rules, state)
         else:
@@ -315,12 +323,14 @@ def greedy_search(
         chosen = column if ids is None else ids[column]
         history.append(chosen)
         history_rows.append(rows)
+        seq = torch.cat([seq, chosen[:, None]], dim=1)
         done = chosen == EOS_ID
         if bool(done.any()):
             for r, lp in zip(rows[done].tolist(), log_prob[done].tolist()):
                 out_logp[r] = lp
             keep = (~done).nonzero().squeeze(1)
             rows, lens, log_prob, chosen = rows[keep], lens[keep], log_prob[keep], chosen[keep]
+            seq = seq[keep]
             if rows.numel() > 0:
                 step = step.select(keep)
         tokens = chosen
@@ -430,9 +440,11 @@ def beam_search(
         n = live.shape[0]
         if stats is not None:
             stats.count(last.shape[0])
-        row_lens = lens.repeat_interleave(last.shape[0] // n)
-        logp = apply_processors(step.log_probs(last), score_rules,
-                                SearchState(t, row_lens))  # (n*K or n, V)
+        per = last.shape[0] // n  # rows per sentence: 1 on the first step, then K
+        state = SearchState(t, lens.repeat_interleave(per), sentence.repeat_interleave(per),
+                            live_tokens.reshape(n * per, t) if per == K
+                            else live_tokens[:, 0])
+        logp = apply_processors(step.log_probs(last), score_rules, state)  # (n*K or n, V)
         V = logp.shape[-1]
         # on step 0, one row per sentence: its beams 1..K-1 are not alive yet (-inf)
         top, idx = _best_extensions(logp, live, min(2 * K, K * V))  # (n, 2K)

@@ -22,6 +22,7 @@ from aiayn.decoding.search import (
     EnsembleStep,
     Hypothesis,
     SamplingConfig,
+    ScoreProcessor,
     UncachedStep,
     beam_search,
     greedy_search,
@@ -102,6 +103,7 @@ def translate_nbest(
     stats: DecodeStats | None = None,
     workers: int | str = 1,
     shortlist=None,
+    processors: Callable[[list[int]], Sequence[ScoreProcessor]] | None = None,
 ) -> list[list[Translation]]:
     """Translate ``lines`` of the model's own text; for each, up to ``nbest`` translations,
     best first. The engine under :class:`aiayn.Translator`, which owns the raw-text contract
@@ -133,6 +135,11 @@ def translate_nbest(
             the count.
         shortlist: a :class:`~aiayn.decoding.shortlist.Shortlist`: each sentence produces
             only its own list's tokens (opt-in; changes outputs; needs the cache).
+        processors: per batch, the score rules its search applies after the length rules:
+            called with the batch's line numbers (0-based indices into ``lines``, in the
+            batch's order) and returning :class:`~aiayn.decoding.search.ScoreProcessor`s,
+            which find a row's line as ``chunk[state.rows[i]]``. Called in the process that
+            decodes the batch (a forked worker sees the closure, unpickled).
 
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
@@ -154,7 +161,8 @@ def translate_nbest(
     try:
         return _translate([as_engine(m) for m in models], vocab, lines, decode, nbest, sampling,
                           bf16, use_cache,
-                          min_len, long_inputs, warn, progress, stats, workers, shortlist)
+                          min_len, long_inputs, warn, progress, stats, workers, shortlist,
+                          processors)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)
@@ -183,7 +191,7 @@ def check_ensemble(models: list) -> None:
 
 
 def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, min_len,
-               long_inputs, warn, progress, stats, workers, shortlist):
+               long_inputs, warn, progress, stats, workers, shortlist, processors):
     from aiayn.decoding.workers import choose_workers, run_in_workers
 
     batch_size = decode.batch_size
@@ -226,13 +234,15 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
                 steps = [UncachedStep.start(model, memory, src_mask)
                          for model, (memory, src_mask) in zip(models, encoded)]
             step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
+            rules = tuple(processors(list(chunk))) if processors is not None else ()
             if sampling is not None or decode.beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
-                                                   sampling=sampling, stats=stats)]
+                                                   sampling=sampling, stats=stats,
+                                                   processors=rules)]
             else:
                 hyps = beam_search(step, max_lens, beam_size=decode.beam_size,
                                    alpha=decode.alpha, nbest=nbest, min_len=min_len,
-                                   rules=decode.beam_rules, stats=stats)
+                                   rules=decode.beam_rules, stats=stats, processors=rules)
         return [[_to_translation(vocab, h) for h in hs] for hs in hyps]
 
     def keep(b: int, translations: list[list[Translation]]) -> None:
