@@ -93,15 +93,16 @@ def test_a_resumed_run_keeps_its_recorded_precision_unless_the_machine_changed(n
 
 def test_the_probe_takes_the_fastest_call():
     """Slow calls (another process woke up) do not decide the rate: the fastest does. The
-    timed calls take about 60, 30 and 0 ms: their mean and their median are 30 ms, the
-    fastest under 1 ms, so a probe that took either of the others would fail here."""
-    calls = iter([0.0, 0.06, 0.03, 0.0])  # the untimed warm-up call, then three timed
+    timed calls take about 400, 200 and 0 ms: their mean and their median are 200 ms, the
+    fastest under 1 ms (a busy machine may add tens), so a probe that took either of the
+    others would fail here."""
+    calls = iter([0.0, 0.4, 0.2, 0.0])  # the untimed warm-up call, then three timed
 
     def fn():
         import time
         time.sleep(next(calls))
 
-    assert precision._seconds_per_call(fn, budget_s=0.0, max_calls=10, min_calls=3) < 0.015
+    assert precision._seconds_per_call(fn, budget_s=0.0, max_calls=10, min_calls=3) < 0.1
     with pytest.raises(StopIteration):  # exactly three calls were timed
         next(calls)
 
@@ -326,3 +327,22 @@ def test_a_resumed_fp16_run_continues_with_its_loss_scale(tmp_path):
     assert resumed.learner.scaler.state_dict() == whole.learner.scaler.state_dict()
     for name, p in whole.model.state_dict().items():
         torch.testing.assert_close(resumed.model.state_dict()[name], p, rtol=0, atol=0)
+
+
+def test_the_probe_interleaves_what_it_compares():
+    """A stall that lasts the first calls (another process held the core) must not fall on one
+    side of a comparison only: the fp32 and bf16 calls alternate, so each side gets calls
+    after the stall. Timed one after the other, the first side's calls would all be slow."""
+    calls = []
+
+    def fn(name):
+        def call():
+            calls.append(name)
+            if len(calls) <= 4:  # the stall: the first four calls, whoever makes them
+                import time
+                time.sleep(0.2)
+        return call
+
+    best = precision._fastest_interleaved([fn("fp32"), fn("bf16")], budget_s=0.0)
+    assert calls[:4] == ["fp32", "bf16", "fp32", "bf16"]  # warm-ups, then alternating
+    assert max(best) < 0.1
