@@ -368,7 +368,7 @@ def test_the_server_takes_the_guards_and_never_batches_other_guards_together(tmp
 
     model, config, vocab = load_checkpoint(tiny_checkpoint(tmp_path / "ckpt"))
     t = Translator(model, vocab, config=config, precision="fp32")
-    # a batch starts when 4 lines wait (of any settings), or after the 60 s window
+    # a batch starts when 4 lines wait (of any settings), or when its 60 s window closes
     app = create_app(t, ServeLimits(max_lines=2, max_batch_lines=4, max_wait_ms=60_000))
     lines = ["Two dogs play in the snow.", "A man rides a bike."]
     guarded = {"no_repeat_ngram_size": 1, "repetition_penalty": 1.5}
@@ -395,10 +395,14 @@ def test_the_server_takes_the_guards_and_never_batches_other_guards_together(tmp
         while httpx.get(base + "/info", timeout=30).json()["load"]["queued_lines"] < 2:
             assert time.monotonic() < deadline, "the first request never queued"
             time.sleep(0.02)
-        # 4 lines now wait: one batch of 4 if the keys were equal, two batches of 2 as they
-        # are not
-        post(base, "/translate", {"lines": lines, **guarded}, "guarded")
+        # 4 lines now wait: one batch of 4 if the keys were equal; as they are not, the
+        # first request's 2 lines run, and the second's wait for their window to close
+        second = threading.Thread(target=post, args=(base, "/translate",
+                                                     {"lines": lines, **guarded}, "guarded"))
+        second.start()
         first.join(timeout=30)
+        app.state.begin_shutdown()  # closes the second request's window
+        second.join(timeout=30)
     got = [answers[name].json() for name in ("plain", "guarded")]
     assert [a["batch_lines"] for a in got] == [2, 2]
     want = [t.generate(lines, **extra) for extra in ({}, guarded)]
