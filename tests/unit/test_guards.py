@@ -280,10 +280,9 @@ def test_no_repeated_ngram_in_real_outputs(models, vocab, kind, search):
     options = {**OPTIONS, **SEARCHES[search]}
     plain = [r[0].tokens for r in t.generate(LINES, **options)]
     assert any(has_repeated_ngram(x, 2) for x in plain)  # the loops the guard is for
-    for n in (2, 3):
-        got = [r[0].tokens for r in t.generate(LINES, no_repeat_ngram_size=n, **options)]
-        assert not any(has_repeated_ngram(x, n) for x in got), (n, got)
-        assert all(x[-1] == EOS_ID for x in got)
+    got = [r[0].tokens for r in t.generate(LINES, no_repeat_ngram_size=2, **options)]
+    assert not any(has_repeated_ngram(x, 2) for x in got), got
+    assert all(x[-1] == EOS_ID for x in got)
 
 
 def test_guards_are_batch_invariant(models, vocab):
