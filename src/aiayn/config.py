@@ -333,12 +333,30 @@ class DecodeConfig:
     max_len_b: int = 50
     batch_size: int = 64  # sentences decoded together
     beam_rules: str = "t2t"  # "hf" in models converted from Hugging Face (see beam_search)
+    # Guards against the known failures (not in the paper; aiayn.decoding.guards states each
+    # rule exactly), all off by default: a generated n-gram of this size never repeats
+    # (CTranslate2's no_repeat_ngram_size; 0 = off); a token generated before has its
+    # log-probability multiplied by this (> 1 penalizes; 1 = off); EOS is banned until the
+    # output has min_length_ratio * input tokens (0 = off); and the output has at most
+    # max_length_ratio * input tokens, a cap on max_len_a/max_len_b (Marian's
+    # --max-length-factor; None = off).
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
+    min_length_ratio: float = 0.0
+    max_length_ratio: float | None = None
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _positive(self, "beam_size", "batch_size")
+        _positive(self, "beam_size", "batch_size", "repetition_penalty")
         _choice(self, "beam_rules", ("t2t", "hf"))
-        _non_negative(self, "alpha", "max_len_a", "max_len_b")
+        _non_negative(self, "alpha", "max_len_a", "max_len_b", "no_repeat_ngram_size",
+                      "min_length_ratio")
+        if self.max_length_ratio is not None:
+            _positive(self, "max_length_ratio")
+            if self.min_length_ratio > self.max_length_ratio:
+                raise ConfigError(f"DecodeConfig.min_length_ratio={self.min_length_ratio} is "
+                                  f"above DecodeConfig.max_length_ratio="
+                                  f"{self.max_length_ratio}: no output length meets both")
 
 
 @dataclass(frozen=True)

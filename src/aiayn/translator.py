@@ -312,7 +312,10 @@ class Translator:
                 applied), as the training corpus is.
             workers: decode in this many processes (default :attr:`workers`; see
                 :class:`Translator`).
-            engine: passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
+            engine: the guards ``no_repeat_ngram_size``, ``repetition_penalty``,
+                ``min_length_ratio`` and ``max_length_ratio`` override :attr:`decode_config`
+                as the fields above do (:mod:`aiayn.decoding.guards`; off by default); the
+                rest is passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
                 ``min_len``: benchmarks; ``shortlist``: default :attr:`shortlist`).
 
         Raises:
@@ -328,8 +331,12 @@ class Translator:
                 sampling=sampling, preprocessed=preprocessed, progress=progress, warn=warn,
                 workers=workers, **engine).translations
         warn = warn or self.warn
+        from aiayn.decoding.guards import GUARD_FIELDS
+
+        guards = {name: engine.pop(name) for name in GUARD_FIELDS if name in engine}
         decode = self.decode_settings(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
-                             max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
+                             max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules,
+                             **guards)
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
         engine.setdefault("shortlist", self.shortlist)
         return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,

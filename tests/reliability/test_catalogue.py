@@ -439,6 +439,18 @@ CASES = [
     # --- no command ------------------------------------------------------------------------
     C("aiayn", "unknown subcommand", "transalte", "transalte"),
 ]
+# --- translate: the guards (issue 82, aiayn.decoding.guards) ----------------------------------
+CASES += [
+    C("translate", "--no-repeat-ngram-size negative", TR + " --no-repeat-ngram-size -2",
+      "--no-repeat-ngram-size", "-2"),
+    C("translate", "--repetition-penalty 0", TR + " --repetition-penalty 0",
+      "--repetition-penalty", "0"),
+    C("translate", "--repetition-penalty negative", TR + " --repetition-penalty -1.5",
+      "--repetition-penalty", "-1.5"),
+    C("translate", "--min-length-ratio above --max-length-ratio",
+      TR + " --min-length-ratio 2 --max-length-ratio 1.5", "--min-length-ratio=2.0",
+      "--max-length-ratio=1.5"),
+]
 
 
 @pytest.fixture(scope="module")

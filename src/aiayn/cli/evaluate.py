@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         result["hyp"] = args.hyp
     else:
         from aiayn.cli.translate import decode_options, load_translator
+        from aiayn.decoding.guards import GUARD_FIELDS
         from aiayn.data.text import is_protocol_text
 
         lines = read_lines(args.src)
@@ -87,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         hyps = [t[0].text for t in translations]
         lang = lang or config.data.tgt_lang
         decode = translator.decode_settings(**{k: options[k] for k in (
-            "beam_size", "alpha", "max_len_a", "max_len_b", "batch_size")})
+            "beam_size", "alpha", "max_len_a", "max_len_b", "batch_size", *GUARD_FIELDS)
+            if k in options})
         result.update(checkpoint=args.checkpoint[0], src=args.src,
                       decode={**dataclasses.asdict(decode), "nbest": 1,
                               "bf16": translator.precision.uses_bf16,

@@ -46,6 +46,20 @@ def add_decode_arguments(p: argparse.ArgumentParser, checkpoint_required: bool =
     p.add_argument("--top-k", type=int, default=0, help="0: no top-k filter")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus filter")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=None, metavar="N",
+                   help="guard: no N consecutive output tokens appear twice (CTranslate2's "
+                        "no_repeat_ngram_size; default: decode.no_repeat_ngram_size, 0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="P",
+                   help="guard: a token generated before has its log-probability multiplied "
+                        "by P; > 1 penalizes repeats (default: decode.repetition_penalty, "
+                        "1 = off)")
+    p.add_argument("--min-length-ratio", type=float, default=None, metavar="R",
+                   help="guard: no end of sentence before R * input tokens (default: "
+                        "decode.min_length_ratio, 0 = off)")
+    p.add_argument("--max-length-ratio", type=float, default=None, metavar="R",
+                   help="guard: at most R * input tokens, then the end of sentence is forced; "
+                        "caps --max-len-a/--max-len-b (Marian's --max-length-factor; default: "
+                        "decode.max_length_ratio, off)")
     p.add_argument("--reject-long", action="store_true",
                    help="fail on an input line longer than the model's max_len instead of "
                         "translating it in parts (cut at sentence ends, then ; :, then commas, "
@@ -85,7 +99,12 @@ def workers_value(text: str) -> int | str:
 
 
 _DECODE_OPTIONS = {"beam_size": "--beam", "alpha": "--alpha", "max_len_a": "--max-len-a",
-                   "max_len_b": "--max-len-b", "batch_size": "--batch-size"}
+                   "max_len_b": "--max-len-b", "batch_size": "--batch-size",
+                   # the guards (aiayn.decoding.guards.GUARD_FIELDS)
+                   "no_repeat_ngram_size": "--no-repeat-ngram-size",
+                   "repetition_penalty": "--repetition-penalty",
+                   "min_length_ratio": "--min-length-ratio",
+                   "max_length_ratio": "--max-length-ratio"}
 
 
 def check_decode_arguments(args: argparse.Namespace) -> None:
@@ -124,9 +143,14 @@ def decode_options(args: argparse.Namespace, nbest: int = 1) -> dict:
     sampling = None
     if args.sample:
         sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    from aiayn.decoding.guards import GUARD_FIELDS
+
+    guards = {name: getattr(args, name) for name in GUARD_FIELDS
+              if getattr(args, name, None) is not None}
     return dict(beam_size=args.beam, alpha=args.alpha, max_len_a=args.max_len_a,
                 max_len_b=args.max_len_b, batch_size=args.batch_size, nbest=nbest,
-                sampling=sampling, long_inputs="error" if args.reject_long else "split")
+                sampling=sampling, long_inputs="error" if args.reject_long else "split",
+                **guards)
 
 
 def load_translator(args: argparse.Namespace, command: str):

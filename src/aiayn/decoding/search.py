@@ -667,13 +667,19 @@ def same_columns(a: Tensor | None, b: Tensor | None) -> bool:
 
 
 def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
-                       model_max_len: int) -> Tensor:
+                       model_max_len: int, max_ratio: float | None = None) -> Tensor:
     """§6.1: maximum output length = input length + 50, i.e. ``a * len + b`` with a=1, b=50.
 
-    ``src_lengths``: long (B,) source tokens without EOS. Capped at ``model_max_len - 1`` so
-    the start token plus the output fits the positional table. Returns long (B,).
+    ``src_lengths``: long (B,) source tokens without EOS. ``max_ratio`` (the guard
+    ``DecodeConfig.max_length_ratio``, :mod:`aiayn.decoding.guards`), when given, caps it
+    at ``floor(max_ratio * len)``. Capped at ``model_max_len - 1`` so the start token plus
+    the output fits the positional table. Returns long (B,): the tokens each sentence may
+    generate before its forced EOS (:class:`LengthRules`).
     """
     lens = torch.floor(src_lengths.double() * max_len_a + max_len_b).long()
+    if max_ratio is not None:
+        cap = torch.floor(src_lengths.double() * max_ratio).clamp(max=model_max_len)
+        lens = torch.minimum(lens, cap.long())
     return lens.clamp(min=0, max=model_max_len - 1)
 
 

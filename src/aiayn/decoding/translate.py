@@ -29,6 +29,7 @@ from aiayn.decoding.search import (
     max_output_lengths,
     same_columns,
 )
+from aiayn.decoding.guards import guard_processors, max_length_cap
 from aiayn.decoding.shortlist import ShortlistStep
 from aiayn.config import DecodeConfig
 from aiayn.errors import ConfigError, UserError
@@ -119,7 +120,10 @@ def translate_nbest(
         decode: the search (§6.1): ``beam_size`` K (1 = greedy; ignored when ``sampling`` is
             given), ``alpha`` (lp(Y) = ((5 + |Y|) / 6) ** alpha), at most ``max_len_a *
             source_tokens + max_len_b`` output tokens, ``batch_size`` sentences decoded
-            together, ``beam_rules`` (see :func:`~aiayn.decoding.search.beam_search`).
+            together, ``beam_rules`` (see :func:`~aiayn.decoding.search.beam_search`); and
+            the guards (``no_repeat_ngram_size``, ``repetition_penalty``,
+            ``min_length_ratio``, ``max_length_ratio``; off by default), whose processors
+            come before ``processors``' (:mod:`aiayn.decoding.guards`).
         nbest: translations per line (<= beam_size; greedy and sampling give 1).
         sampling: sample instead of searching (see :class:`SamplingConfig`).
         bf16: run the model under ``torch.autocast(dtype=torch.bfloat16)``.
@@ -221,7 +225,7 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
             encoded = [model.encode(src) for model in models]  # (memory, src_mask) each
             src_lengths = encoded[0][1].sum(dim=1) - 1  # without EOS
             max_lens = max_output_lengths(src_lengths, decode.max_len_a, decode.max_len_b,
-                                          max_len)
+                                          max_len, max_length_cap(decode))
             if shortlist is not None:
                 steps = _shortlist_steps(models, encoded, shortlist,
                                          [sources[i] for i in chunk], ids[0] if compact
@@ -234,7 +238,9 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
                 steps = [UncachedStep.start(model, memory, src_mask)
                          for model, (memory, src_mask) in zip(models, encoded)]
             step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
-            rules = tuple(processors(list(chunk))) if processors is not None else ()
+            rules = guard_processors(decode, src_lengths, step.token_ids)  # () when off
+            if processors is not None:
+                rules += tuple(processors(list(chunk)))
             if sampling is not None or decode.beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
                                                    sampling=sampling, stats=stats,

@@ -14,6 +14,9 @@ Endpoints:
   (an over-long sentence in parts) and put back with its line breaks, blank lines and
   surrounding whitespace: ``text``, and per sentence its ``source``, ``translation``,
   ``paragraph`` and ``parts``; ``split`` lists the sentences translated in parts.
+* Both take the guards ``no_repeat_ngram_size``, ``repetition_penalty``,
+  ``min_length_ratio`` and ``max_length_ratio`` (:mod:`aiayn.decoding.guards`; default: the
+  model's decode settings, all off); requests with other guards are decoded in other batches.
 * ``POST /attention`` ``{"source": "...", "target": "..."}``: every layer and head of the
   three kinds of attention for one pair; without ``target``, the model's own beam output.
 * Both answer ``warnings``, a list of sentences, empty when all is well: for now, that the
@@ -49,7 +52,24 @@ from aiayn.serve.batcher import Batcher, QueueFullError, ShuttingDownError
 from aiayn.serve.limits import ServeLimits
 
 
-class TranslateRequest(BaseModel):
+class GuardOptions(BaseModel):
+    """The guards a request may set (:mod:`aiayn.decoding.guards`; null: the model's decode
+    default, off unless its config says otherwise). Checked by
+    :class:`~aiayn.config.DecodeConfig`; a bad value answers 422 naming it."""
+
+    no_repeat_ngram_size: int | None = Field(
+        None, description="no n consecutive output tokens twice (0 = off)")
+    repetition_penalty: float | None = Field(
+        None, description="a token generated before has its log-probability multiplied by "
+                          "this; > 1 penalizes repeats (1 = off)")
+    min_length_ratio: float | None = Field(
+        None, description="no end of sentence before this times the input's tokens (0 = off)")
+    max_length_ratio: float | None = Field(
+        None, description="at most this times the input's tokens (Marian's "
+                          "--max-length-factor)")
+
+
+class TranslateRequest(GuardOptions):
     """Body of ``POST /translate``; an unknown field or a value out of range answers 422."""
 
     model_config = ConfigDict(extra="forbid")
@@ -61,7 +81,7 @@ class TranslateRequest(BaseModel):
                                                 "in parts and join them (else 413)")
 
 
-class DocumentRequest(BaseModel):
+class DocumentRequest(GuardOptions):
     """Body of ``POST /document``: plain text with paragraphs separated by blank lines."""
 
     model_config = ConfigDict(extra="forbid")
@@ -185,6 +205,8 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     """
     from aiayn.data.segment import segment
     from aiayn.data.text import tokenized_input_warning
+    from aiayn.decoding.guards import GUARD_FIELDS, guard_settings
+    from aiayn.errors import ConfigError
     from aiayn.translator import join_parts
     from aiayn.decoding.workers import WorkerPool, choose_workers
     from aiayn.model.transformer import count_parameters
@@ -195,11 +217,11 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     max_len = min(m.config.max_len for m in translator.models)
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiayn-model")
 
-    def run_batch(lines: list[str], key: tuple[int, float, int]):
-        beam, alpha, nbest = key
+    def run_batch(lines: list[str], key: tuple):
+        beam, alpha, nbest, guards = key  # guards: ((field, value), ...), see guard_key
         return translator.generate(lines, beam_size=beam, alpha=alpha, nbest=nbest,
                                    batch_size=limits.max_batch_lines, long_inputs="error",
-                                   preprocessed=True, workers=1)
+                                   preprocessed=True, workers=1, **dict(guards))
 
     workers = choose_workers(translator.workers, translator.device, limits.max_concurrent)
     pool = None
@@ -262,6 +284,17 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                                      f"(beam is {beam})")
         return beam, alpha, nbest
 
+    def guard_key(req: GuardOptions) -> tuple:
+        """The guards ``req`` sets, as part of its batch key: requests with other guards
+        are never decoded in one batch (:class:`Batcher` batches equal keys only)."""
+        given = {name: getattr(req, name) for name in GUARD_FIELDS
+                 if getattr(req, name) is not None}
+        try:
+            translator.decode_settings(**given)
+        except ConfigError as err:
+            raise HTTPException(422, str(err).replace("DecodeConfig.", "")) from None
+        return tuple(sorted(given.items()))
+
     def check_chars(text: str, what: str) -> None:
         """``text`` as sent: bounded before any work is done on it, and Unicode that UTF-8
         can carry (JSON's \\ud800 escapes a lone surrogate, which no tokenizer takes)."""
@@ -310,7 +343,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
         if not req.split_long:
             for n, line in enumerate(read, 1):
                 check_tokens(line, f"line {n}", max_len)
-        key = search_settings(req.beam, req.alpha, req.nbest)
+        key = (*search_settings(req.beam, req.alpha, req.nbest), guard_key(req))
         results, parts, batch_lines = await decode_in_parts(read, key)
         return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
                                   for t in line] for line in results],
@@ -340,7 +373,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
         if not doc.spans:
             raise HTTPException(422, "text is empty: give at least one sentence")
         sources = doc.sentences
-        key = search_settings(req.beam, req.alpha)
+        key = (*search_settings(req.beam, req.alpha), guard_key(req))
         results, parts, batch_lines = await decode_in_parts(translator.preprocess(sources),
                                                             key, req.lang)
         texts = [ts[0].text for ts in results]
@@ -410,7 +443,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 "precision": translator.precision.chosen,
                 "decode": {"beam": decode.beam_size, "alpha": decode.alpha,
                            "max_len_a": decode.max_len_a, "max_len_b": decode.max_len_b,
-                           "beam_rules": decode.beam_rules},
+                           "beam_rules": decode.beam_rules, **guard_settings(decode)},
                 "shortlist": None if translator.shortlist is None else
                 {"path": translator.shortlist.source,
                  "always": int(translator.shortlist.always.numel()),
