@@ -14,6 +14,11 @@ and 4 processes.
   the job restarts by itself and ends with the uninterrupted run's losses and weights.
 - A run of 4 processes resumed on 2 under ``data.global_max_tokens``: the same global batches,
   so the losses after the resume are the 4-process run's.
+
+CI time: the task's files, vocabulary and prepared folder are made once for the module
+(:func:`task`), and the uninterrupted runs that several tests compare with are trained once
+(:func:`four`: 4 processes, for three tests; :func:`two`: 2 processes for 40 updates, for two);
+each test then runs only what it interrupts, resumes or compares.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +41,7 @@ from safetensors.torch import load_file
 from test_training import task_config, train_losses  # tests/integration is on sys.path
 
 from aiayn.checkpoint import list_checkpoints, load_training_state
+from aiayn.config import Config
 from aiayn.data.prepared import PreparedCorpus
 from aiayn.data.vocab import Vocabulary
 from aiayn.training.distributed import DistInfo
@@ -50,29 +56,33 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _task(tmp_path: Path):
-    """A task config (gloo-sized model) on its training files, and their vocabulary (saved in
-    ``tmp_path/vocab``)."""
-    cfg = task_config(tmp_path, max_steps=STEPS, checkpoint_every_steps=2, lr_scale=1.0)
+@dataclass(frozen=True)
+class Task:
+    """The module's task: its config on the raw training files (``raw``), the same on their
+    prepared folder (``prepared``) and the vocabulary's folder, all made once (:func:`task`).
+    Runs read them and write only their own run folders."""
+
+    raw: Config
+    prepared: Config
+    vocab: Path
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory: pytest.TempPathFactory) -> Task:
+    """A task config (gloo-sized model, a checkpoint every 2 updates) on its training files,
+    their vocabulary and their prepared folder (made by ``aiayn prepare`` in a process)."""
+    folder = tmp_path_factory.mktemp("task")
+    cfg = task_config(folder, max_steps=STEPS, checkpoint_every_steps=2, lr_scale=1.0)
     src = Path(cfg.data.train_src).read_text().splitlines()
     tgt = Path(cfg.data.train_tgt).read_text().splitlines()
-    vocab = Vocabulary.learn(src + tgt, 40)
-    vocab.save(tmp_path / "vocab")
-    return cfg, vocab
-
-
-def _prepared(tmp_path: Path):
-    """A task config (gloo-sized model) on a prepared folder of its training files, and the
-    vocabulary."""
-    cfg, vocab = _task(tmp_path)
-    corpus_src, corpus_tgt = cfg.data.train_src, cfg.data.train_tgt
-    res = subprocess.run([sys.executable, "-m", "aiayn", "prepare", "--src", corpus_src,
-                          "--tgt", corpus_tgt, "--vocab", str(tmp_path / "vocab"), "-o",
-                          str(tmp_path / "prepared"), "--max-len", str(cfg.data.max_len),
+    Vocabulary.learn(src + tgt, 40).save(folder / "vocab")
+    res = subprocess.run([sys.executable, "-m", "aiayn", "prepare", "--src", cfg.data.train_src,
+                          "--tgt", cfg.data.train_tgt, "--vocab", str(folder / "vocab"), "-o",
+                          str(folder / "prepared"), "--max-len", str(cfg.data.max_len),
                           "--json"], env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    data = replace(cfg.data, train_src=None, train_tgt=None, prepared=str(tmp_path / "prepared"))
-    return cfg.replace(data=data), vocab
+    data = replace(cfg.data, train_src=None, train_tgt=None, prepared=str(folder / "prepared"))
+    return Task(cfg, cfg.replace(data=data), folder / "vocab")
 
 
 def _torchrun(n: int) -> list[str]:
@@ -80,16 +90,16 @@ def _torchrun(n: int) -> list[str]:
             "--master-port", str(28500 + (os.getpid() * 7 + n) % 1000)]
 
 
-def _train_args(tmp_path: Path, cfg, run: str) -> list[str]:
+def _train_args(tmp_path: Path, task: Task, cfg: Config, run: str) -> list[str]:
     """``-m aiayn train`` of ``cfg`` (written beside) into ``tmp_path/run``."""
     config = tmp_path / f"{run}.json"
     config.write_text(cfg.to_json())
     return ["-m", "aiayn", "train", "--config", str(config), "--run-dir", str(tmp_path / run),
-            "--vocab", str(tmp_path / "vocab"), "--no-progress", "--device", "cpu"]
+            "--vocab", str(task.vocab), "--no-progress", "--device", "cpu"]
 
 
-def _train(tmp_path: Path, cfg, world: int, run: str, *extra: str) -> Path:
-    res = subprocess.run([*_torchrun(world), *_train_args(tmp_path, cfg, run), *extra],
+def _train(tmp_path: Path, task: Task, cfg: Config, world: int, run: str, *extra: str) -> Path:
+    res = subprocess.run([*_torchrun(world), *_train_args(tmp_path, task, cfg, run), *extra],
                          env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return tmp_path / run
@@ -122,8 +132,8 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(run_dir / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
 
 
-def test_each_epoch_deals_every_kept_pair_once_in_equal_disjoint_shares(tmp_path: Path) -> None:
-    cfg, vocab = _prepared(tmp_path)
+def test_each_epoch_deals_every_kept_pair_once_in_equal_disjoint_shares(task: Task) -> None:
+    cfg, vocab = task.prepared, Vocabulary.load(task.vocab)
     corpus = PreparedCorpus.open(cfg.data.prepared)
     for world in (1, 2, 4):
         for epoch in (0, 1):
@@ -150,26 +160,48 @@ def _assert_same_run(cut: Path, whole: Path, steps: int) -> None:
         torch.testing.assert_close(w_cut[key], w_whole[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-def test_world_times_accumulation_is_one_update(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Baseline:
+    """An uninterrupted run that several tests compare with: its config and run folder."""
+
+    cfg: Config
+    run: Path
+
+
+@pytest.fixture(scope="module")
+def four(task: Task, tmp_path_factory: pytest.TempPathFactory) -> Baseline:
+    """4 processes x 1 batch an update for STEPS updates, a checkpoint every 2. The update is
+    stated as ``data.global_max_tokens`` = 4 x m (``data.max_tokens`` 0: derived), so the same
+    config gives 1 process x 4 accumulation steps and 2 x 2 each batch's m tokens too, and a
+    resume on fewer processes keeps the global batch. m is the largest batch size up to the
+    task's ``data.max_tokens`` whose batch count 4 divides: then 1, 2 and 4 processes deal the
+    same batches (otherwise the shards split some batches to make a multiple of their count)."""
     from aiayn.data.batching import make_batch_arrays
 
-    cfg, _ = _prepared(tmp_path)
+    cfg = task.prepared
     corpus = PreparedCorpus.open(cfg.data.prepared)
 
     def count(max_tokens: int) -> int:
         return len(make_batch_arrays(corpus.src_lengths(), corpus.tgt_lengths(), max_tokens,
                                      seed=cfg.train.seed))
 
-    # a batch size whose batch count 4 divides: then 1, 2 and 4 processes deal the same batches
-    # (otherwise the shards split some batches to make a multiple of their count)
-    max_tokens = next(m for m in range(cfg.data.max_tokens, 256, -8) if count(m) % 4 == 0)
-    cfg = cfg.replace(data=replace(cfg.data, max_tokens=max_tokens))
-    runs = {world: _train(tmp_path, cfg.replace(train=replace(cfg.train,
-                                                              accum_steps=4 // world)),
-                          world, f"w{world}")
-            for world in (1, 2, 4)}
+    per = next(m for m in range(cfg.data.max_tokens, 256, -8) if count(m) % 4 == 0)
+    cfg = cfg.replace(data=replace(cfg.data, max_tokens=0, global_max_tokens=4 * per))
+    return Baseline(cfg, _train(tmp_path_factory.mktemp("four"), task, cfg, 4, "four"))
+
+
+@pytest.mark.slow
+def test_world_times_accumulation_is_one_update(task: Task, four: Baseline,
+                                                tmp_path: Path) -> None:
+    runs = {world: _train(tmp_path, task, four.cfg.replace(
+                train=replace(four.cfg.train, accum_steps=4 // world)), world, f"w{world}")
+            for world in (1, 2)}
+    runs[4] = four.run
     losses = {world: train_losses(run) for world, run in runs.items()}
+    per = four.cfg.data.global_max_tokens // 4
+    for world, run in runs.items():  # each batch the same m tokens: only the split differs
+        saved = json.loads((run / "config.json").read_text())
+        assert (saved["data"]["max_tokens"], saved["train"]["accum_steps"]) == (per, 4 // world)
     assert sorted(losses[1]) == list(range(1, STEPS + 1))
     for world in (2, 4):
         assert sorted(losses[world]) == sorted(losses[1])
@@ -194,17 +226,29 @@ def _logged_updates(metrics: Path) -> int:
     return count
 
 
+LONG = 40  # the updates of the 2-process runs that are interrupted mid-run
+
+
+@pytest.fixture(scope="module")
+def two(task: Task, tmp_path_factory: pytest.TempPathFactory) -> Baseline:
+    """2 processes for LONG updates, a checkpoint every 2, started with ``--resume auto`` in
+    an empty folder (it starts afresh): what the interrupted runs must end as. (How often a
+    run checkpoints does not change its updates: the resumed runs of the SIGTERM test, which
+    checkpoint only when stopped, must end as this one too.)"""
+    cfg = task.prepared.replace(train=replace(task.prepared.train, max_steps=LONG))
+    return Baseline(cfg, _train(tmp_path_factory.mktemp("two"), task, cfg, 2, "whole",
+                                "--resume", "auto"))
+
+
 @pytest.mark.slow
-def test_sigterm_mid_epoch_then_resume_continues_the_same_run(tmp_path: Path) -> None:
-    cfg, _ = _prepared(tmp_path)
-    steps = 40
-    cfg = cfg.replace(train=replace(cfg.train, max_steps=steps, checkpoint_every_steps=0))
-    whole = _train(tmp_path, cfg, 2, "whole")
+def test_sigterm_mid_epoch_then_resume_continues_the_same_run(task: Task, two: Baseline,
+                                                               tmp_path: Path) -> None:
+    cfg = two.cfg.replace(train=replace(two.cfg.train, checkpoint_every_steps=0))
     config = tmp_path / "cut.json"
     config.write_text(cfg.to_json())
     cut = tmp_path / "cut"
     proc = subprocess.Popen([*_torchrun(2), "-m", "aiayn", "train", "--config", str(config),
-                             "--run-dir", str(cut), "--vocab", str(tmp_path / "vocab"),
+                             "--run-dir", str(cut), "--vocab", str(task.vocab),
                              "--no-progress", "--device", "cpu"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
@@ -218,12 +262,12 @@ def test_sigterm_mid_epoch_then_resume_continues_the_same_run(tmp_path: Path) ->
     out, _ = proc.communicate(timeout=120)
     text = out.decode(errors="replace")
     stopped = train_losses(cut)
-    assert 5 <= max(stopped) < steps, text  # stopped mid-run, by the signal
+    assert 5 <= max(stopped) < LONG, text  # stopped mid-run, by the signal
     assert "stop_reason=signal SIGTERM" in text, text
     (checkpoint,) = list_checkpoints(cut)
     assert json.loads((checkpoint / "meta.json").read_text())["reason"] == "signal SIGTERM"
     position = load_training_state(checkpoint)
-    epoch_batches = len(EpochStream(cfg, Vocabulary.load(tmp_path / "vocab"),
+    epoch_batches = len(EpochStream(cfg, Vocabulary.load(task.vocab),
                                     PreparedCorpus.open(cfg.data.prepared), None,
                                     DistInfo(0, 2, 0)).batch_arrays(position["epoch"]))
     assert 0 < position["batch_in_epoch"] < epoch_batches, (position, epoch_batches)  # mid-epoch
@@ -231,14 +275,14 @@ def test_sigterm_mid_epoch_then_resume_continues_the_same_run(tmp_path: Path) ->
                           "--resume", "--no-progress", "--device", "cpu"],
                          env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    _assert_same_run(cut, whole, steps)
+    _assert_same_run(cut, two.run, LONG)
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_give_the_losses_of_one_node_of_four(tmp_path: Path) -> None:
-    cfg, _ = _prepared(tmp_path)
-    one = train_losses(_train(tmp_path, cfg, 4, "one"))
-    args = _train_args(tmp_path, cfg, "two")
+def test_two_nodes_of_two_give_the_losses_of_one_node_of_four(task: Task, four: Baseline,
+                                                             tmp_path: Path) -> None:
+    one = train_losses(four.run)
+    args = _train_args(tmp_path, task, four.cfg, "two")
     for res in _nodes(2, [args, args]):
         assert res.returncode == 0, res.stdout
     two = train_losses(tmp_path / "two")
@@ -249,12 +293,14 @@ def test_two_nodes_of_two_give_the_losses_of_one_node_of_four(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_nodes_that_do_not_share_the_run_folder_stop_with_one_line(tmp_path: Path) -> None:
+def test_nodes_that_do_not_share_the_run_folder_stop_with_one_line(task: Task,
+                                                                   tmp_path: Path) -> None:
     """Each "node" is given its own folder as --run-dir, as two machines without a shared
     filesystem would each see their own disk under one path. Every process stops with the
     line of the main process's node (which node that is, the rendezvous decides)."""
-    cfg, _ = _task(tmp_path)  # the check comes before the data is read
-    results = _nodes(1, [_train_args(tmp_path, cfg, "node0"), _train_args(tmp_path, cfg, "node1")])
+    cfg = task.raw  # the check comes before the data is read
+    results = _nodes(1, [_train_args(tmp_path, task, cfg, "node0"),
+                         _train_args(tmp_path, task, cfg, "node1")])
     lines = set()
     for res in results:
         assert res.returncode != 0, res.stdout
@@ -288,18 +334,14 @@ def _worker(parent: int, rank: int) -> int | None:
 
 @pytest.mark.slow
 def test_a_killed_worker_restarts_the_job_which_ends_as_the_uninterrupted_run(
-        tmp_path: Path) -> None:
-    cfg, _ = _prepared(tmp_path)
-    steps = 30
-    cfg = cfg.replace(train=replace(cfg.train, max_steps=steps, checkpoint_every_steps=2))
-    whole = _train(tmp_path, cfg, 2, "whole", "--resume", "auto")  # auto in an empty folder
+        task: Task, two: Baseline, tmp_path: Path) -> None:
     cut = tmp_path / "cut"
     log = tmp_path / "cut.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                  "--nproc-per-node", "2", "--max-restarts", "1",
                                  "--monitor-interval", "0.2",
-                                 *_train_args(tmp_path, cfg, "cut"), "--resume", "auto"],
+                                 *_train_args(tmp_path, task, two.cfg, "cut"), "--resume", "auto"],
                                 # torch 2.13's c10d rendezvous needs it for restarts
                                 env=dict(_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
                                 stdout=out, stderr=subprocess.STDOUT)
@@ -315,27 +357,25 @@ def test_a_killed_worker_restarts_the_job_which_ends_as_the_uninterrupted_run(
         proc.wait(timeout=180)
     text = log.read_text(errors="replace")
     assert proc.returncode == 0, text
-    assert killed is not None and killed < steps, text  # killed mid-run, by the test
+    assert killed is not None and killed < LONG, text  # killed mid-run, by the test
     assert "aiayn train: resumed from" in text, text  # by the restarted workers, by themselves
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in text  # no warning: it is set
-    _assert_same_run(cut, whole, steps)
+    _assert_same_run(cut, two.run, LONG)
 
 
 @pytest.mark.slow
-def test_a_resume_on_fewer_processes_keeps_the_global_batch(tmp_path: Path) -> None:
-    """4 processes x 1 batch, resumed from step 2 on 2 processes: the resume makes it 2 x 2
-    (train.accum_steps), the same 4 batches an update from the same global position, so the
-    losses of steps 3.. are the 4-process run's. The tolerance is the float32 one of
-    test_world_times_accumulation_is_one_update: the same gradient sums in another order (two
-    local, then two processes, against four processes)."""
-    cfg, _ = _prepared(tmp_path)
-    per = 256
-    cfg = cfg.replace(data=replace(cfg.data, max_tokens=0, global_max_tokens=4 * per))
-    four = _train(tmp_path, cfg, 4, "four")
-    position = load_training_state(four / "checkpoints" / "step-00000002")
+def test_a_resume_on_fewer_processes_keeps_the_global_batch(four: Baseline,
+                                                            tmp_path: Path) -> None:
+    """4 processes x 1 batch (the :func:`four` run), resumed from step 2 on 2 processes: the
+    resume makes it 2 x 2 (train.accum_steps), the same 4 batches an update from the same
+    global position, so the losses of steps 3.. are the 4-process run's. The tolerance is the
+    float32 one of test_world_times_accumulation_is_one_update: the same gradient sums in
+    another order (two local, then two processes, against four processes)."""
+    per = four.cfg.data.global_max_tokens // 4
+    position = load_training_state(four.run / "checkpoints" / "step-00000002")
     assert position["global_batch_in_epoch"] == 8 and position["batches_per_update"] == 4
     two = tmp_path / "two"
-    shutil.copytree(four, two)
+    shutil.copytree(four.run, two)
     for path in list_checkpoints(two)[1:]:  # as it was at step 2
         shutil.rmtree(path)
     res = subprocess.run([*_torchrun(2), "-m", "aiayn", "train", "--run-dir", str(two),
@@ -344,35 +384,34 @@ def test_a_resume_on_fewer_processes_keeps_the_global_batch(tmp_path: Path) -> N
     assert res.returncode == 0, res.stdout + res.stderr
     assert ("resuming a run of 4 process(es) on 2: train.accum_steps 1 -> 2, so that an update "
             "holds the same 4 batches") in res.stdout, res.stdout
-    assert "global batch 2 process(es) x 2 accumulation step(s) x 256 tokens" in res.stdout
+    assert f"global batch 2 process(es) x 2 accumulation step(s) x {per} tokens" in res.stdout
     saved = json.loads((two / "config.json").read_text())
     assert (saved["train"]["accum_steps"], saved["data"]["max_tokens"]) == (2, per)
-    resumed, uninterrupted = train_losses(two), train_losses(four)
+    resumed, uninterrupted = train_losses(two), train_losses(four.run)
     assert sorted(resumed) == sorted(uninterrupted) == list(range(1, STEPS + 1))
     for step, loss in uninterrupted.items():
         assert resumed[step] == pytest.approx(loss, rel=1e-5), step
 
 
-def test_resume_auto_starts_afresh_then_continues(tmp_path: Path) -> None:
+def test_resume_auto_starts_afresh_then_continues(task: Task, tmp_path: Path) -> None:
     """One process, in this one: ``--resume auto`` over a folder an attempt left without a
     checkpoint (its metrics lines go), then over the finished run (it continues)."""
     from aiayn.training.run import run_training
 
-    cfg, _ = _task(tmp_path)
-    cfg = cfg.replace(train=replace(cfg.train, max_steps=2, checkpoint_every_steps=2))
+    cfg = task.raw.replace(train=replace(task.raw.train, max_steps=2, checkpoint_every_steps=2))
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 99.0})
                                        + "\n")
     lines: list[str] = []
-    run_training(cfg, run, vocab_path=tmp_path / "vocab", resume="auto", progress=False,
+    run_training(cfg, run, vocab_path=task.vocab, resume="auto", progress=False,
                  log=lines.append)
     assert any("--resume auto: no checkpoint in" in line for line in lines), lines
     assert any("1 metrics.jsonl line(s) of an attempt" in line for line in lines), lines
     first = train_losses(run)
     assert sorted(first) == [1, 2] and first[1] != 99.0
     lines.clear()
-    run_training(cfg, run, vocab_path=tmp_path / "vocab", resume="auto", progress=False,
+    run_training(cfg, run, vocab_path=task.vocab, resume="auto", progress=False,
                  overrides=["train.max_steps=4"], log=lines.append)
     assert any("resumed from" in line and "(step 2)" in line for line in lines), lines
     again = train_losses(run)

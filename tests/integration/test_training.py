@@ -771,13 +771,31 @@ def _resume_copy(run: Path, dest: Path, step: int) -> Path:
     return dest
 
 
+# Counts the DDP wrappers still alive when a process destroys its process group.
+_DDP_PROBE = """
+import torch.distributed as dist
+_destroy = dist.destroy_process_group
+def destroy(*args, **kwargs):
+    import gc, torch.nn as nn
+    alive = sum(isinstance(o, nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+    print(f"rank {dist.get_rank()}: {alive} DDP alive at destroy_process_group", flush=True)
+    return _destroy(*args, **kwargs)
+dist.destroy_process_group = destroy
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bf16_weights", [False, True], ids=["float32", "bf16-weights"])
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path,
                                                              bf16_weights: bool) -> None:
     """torchrun, gloo, 2 processes x 1 batch == 1 process accumulating the same 2 batches,
     also across a resume; each process saves its own RNG state. With bf16-weights
-    DDP all-reduces the bf16 copy's gradients, so the two agree up to bf16 rounding."""
+    DDP all-reduces the bf16 copy's gradients, so the two agree up to bf16 rounding.
+
+    Each torchrun process also frees its DDP wrapper before it destroys its process group
+    (:data:`_DDP_PROBE`, on their path): DDP's reducer holds the gloo process group, and if it
+    outlives destroy_process_group it is freed in the interpreter's teardown, where a rank
+    once aborted on a loaded host."""
     from aiayn.checkpoint import load_training_state
     from aiayn.data.batching import encode_corpus, make_batches
     from aiayn.data.vocab import Vocabulary
@@ -804,10 +822,19 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path,
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(29500 + os.getpid() % 1000)]
 
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_DDP_PROBE)
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
+
     def train2(*args: str) -> None:
-        res = subprocess.run([*torchrun, "-m", "aiayn", "train", *args, *common], env=_env(),
+        res = subprocess.run([*torchrun, "-m", "aiayn", "train", *args, *common], env=env,
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stdout + res.stderr
+        lines = sorted(x for x in res.stdout.splitlines() if "at destroy_process_group" in x)
+        assert lines == [f"rank {r}: 0 DDP alive at destroy_process_group" for r in (0, 1)], \
+            res.stdout
 
     train2("--config", str(two), "--run-dir", str(tmp_path / "r2"))
     train2("--run-dir", str(_resume_copy(tmp_path / "r2", tmp_path / "r2b", 2)), "--resume")
@@ -827,41 +854,6 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path: Path,
     # each process's own RNG state is in the checkpoint (restored by rank on resume)
     rng = load_training_state(tmp_path / "r2/checkpoints/step-00000002")["rng"]
     assert len(rng) == 2 and not torch.equal(rng[0]["cpu"], rng[1]["cpu"])
-
-
-# Counts the DDP wrappers still alive when a process destroys its process group.
-_DDP_PROBE = """
-import torch.distributed as dist
-_destroy = dist.destroy_process_group
-def destroy(*args, **kwargs):
-    import gc, torch.nn as nn
-    alive = sum(isinstance(o, nn.parallel.DistributedDataParallel) for o in gc.get_objects())
-    print(f"rank {dist.get_rank()}: {alive} DDP alive at destroy_process_group", flush=True)
-    return _destroy(*args, **kwargs)
-dist.destroy_process_group = destroy
-"""
-
-
-@pytest.mark.slow
-def test_each_process_frees_ddp_before_destroying_its_process_group(tmp_path: Path) -> None:
-    """DDP's reducer holds the gloo process group: if it outlives destroy_process_group it is
-    freed in the interpreter's teardown, where a rank once aborted on a loaded host."""
-    cfg = task_config(tmp_path, max_steps=2, checkpoint_every_steps=0)
-    (tmp_path / "config.json").write_text(cfg.to_json())
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_DDP_PROBE)
-    env = _env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH")]))
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(28500 + os.getpid() % 1000), "-m", "aiayn",
-                          "train", "--config", str(tmp_path / "config.json"), "--run-dir",
-                          str(tmp_path / "run"), "--no-progress", "--device", "cpu"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
-    lines = sorted(line for line in res.stdout.splitlines() if "at destroy_process_group" in line)
-    assert lines == [f"rank {r}: 0 DDP alive at destroy_process_group" for r in (0, 1)], \
-        res.stdout
 
 
 def test_late_dropout_trains_without_dropout_until_its_start(tmp_path: Path) -> None:
