@@ -40,7 +40,8 @@ def tiny():
 
 
 def test_repeat_finds_a_loop_of_one_to_four_tokens():
-    assert repeated_ngram([5, 6, 7, 7, 7, 8]) == (2, 1, 3)
+    assert repeated_ngram([5, 6, 7, 7, 7, 7, 8]) == (2, 1, 4)
+    assert repeated_ngram([5, 6, 7, 7, 7, 8]) is None  # one token thrice: ". . .", "1 0 0 0"
     assert repeated_ngram([9, *[1, 2, 3, 4] * 3, 9]) == (1, 4, 3)
     assert repeated_ngram([4, 5, 4, 5, 9, 4, 5]) is None  # twice in a row is no loop
     assert repeated_ngram([1, 2, 3, 4, 5] * 3) is None  # a 5-gram is longer than looked for

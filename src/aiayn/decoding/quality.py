@@ -17,9 +17,11 @@ Every :class:`~aiayn.decoding.Translation` carries, besides its text:
 The flags, each a property of one output (the search's tokens ``Y`` without EOS, its text,
 and the source as the model read it, ``X`` its tokens without EOS):
 
-- ``repeat``: ``Y`` holds an n-gram of :data:`REPEAT_MAX_N` or fewer tokens repeated
-  :data:`REPEAT_MIN_TIMES` or more times back to back (``a b a b a b``, ``x x x``): the
-  repetition loop of neural MT.
+- ``repeat``: ``Y`` holds an n-gram of 2 to :data:`REPEAT_MAX_N` tokens repeated
+  :data:`REPEAT_MIN_TIMES` or more times back to back (``a b a b a b``), or one token
+  :data:`REPEAT_MIN_TIMES_ONE` or more times (``x x x x``): the repetition loop of neural MT.
+  (A single token three times is common in good text: an ellipsis ``. . .``, the zeros of
+  ``1000`` in a small vocabulary.)
 - ``length_ratio``: ``|Y| / |X|`` (subword tokens, without EOS) outside the range recorded
   for the model on its validation set (:class:`LengthRange`: the 1st-99th percentile of the
   validation *references'* target/source token counts).
@@ -57,7 +59,9 @@ FLAGS = (REPEAT, LENGTH_RATIO, COPY, NO_EOS)
 REPEAT_MAX_N = 4
 """The longest repeated unit ``repeat`` looks for, in tokens."""
 REPEAT_MIN_TIMES = 3
-"""Back-to-back occurrences of the unit that make a loop (2 is common in good text)."""
+"""Back-to-back occurrences of a unit of 2 or more tokens that make a loop."""
+REPEAT_MIN_TIMES_ONE = 4
+"""Back-to-back occurrences of a single token that make a loop."""
 COPY_MIN_WORDS = 3
 """``copy`` is not judged on outputs of fewer words (a name, a number)."""
 COPY_MIN_SHARE = 0.7
@@ -75,9 +79,10 @@ def confidence(log_prob: float, tokens: int) -> float:
 
 
 def repeated_ngram(tokens: Sequence[int], max_n: int = REPEAT_MAX_N,
-                   min_times: int = REPEAT_MIN_TIMES) -> tuple[int, int, int] | None:
-    """The first loop in ``tokens``: an n-gram (1 <= n <= ``max_n``) that occurs ``min_times``
-    or more times back to back.
+                   min_times: int = REPEAT_MIN_TIMES,
+                   min_times_one: int = REPEAT_MIN_TIMES_ONE) -> tuple[int, int, int] | None:
+    """The first loop in ``tokens``: an n-gram (2 <= n <= ``max_n``) that occurs ``min_times``
+    or more times back to back, or one token that occurs ``min_times_one`` or more times.
 
     Returns:
         (start index, n, times it occurs in a row), or None. The shortest unit wins at a
@@ -85,13 +90,14 @@ def repeated_ngram(tokens: Sequence[int], max_n: int = REPEAT_MAX_N,
     """
     for i in range(len(tokens)):
         for n in range(1, max_n + 1):
-            if i + n * min_times > len(tokens):
+            need = min_times_one if n == 1 else min_times
+            if i + n * need > len(tokens):  # longer units need more room still
                 break
             unit = tokens[i:i + n]
             times = 1
             while tokens[i + times * n:i + (times + 1) * n] == unit:
                 times += 1
-            if times >= min_times:
+            if times >= need:
                 return i, n, times
     return None
 
@@ -259,5 +265,6 @@ def flag_counts(translations: Iterable[Any]) -> Counter:
 
 __all__ = ["COPY", "COPY_MIN_SHARE", "COPY_MIN_WORDS", "FLAGS", "LENGTH_RATIO", "LengthRange",
            "NO_EOS", "RANGE_PERCENTILES", "REPEAT", "REPEAT_MAX_N", "REPEAT_MIN_TIMES",
+           "REPEAT_MIN_TIMES_ONE",
            "assess", "confidence", "copy_share", "flag_counts", "joined", "length_ratio",
            "length_ratio_range", "repeated_ngram", "to_json"]
