@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 GREEK = dict(zip("abcdefghijklmnopqrstuvwxyz", "αβκδεφγηιξκλμνοπθρστυβωχυζ"))
@@ -63,7 +64,7 @@ def known_bad(src: list[str], ref: list[str], n: int) -> dict[str, list[str]]:
         "german": ref[:n],
         "doubled": [" ".join(w for word in s.split() for w in (word, word)) for s in head],
         "one word": [" ".join([max(s.split(), key=len).strip(".,")] * 30) for s in head],
-        "very long": [" ".join(src[i:i + 12]) for i in range(0, 12 * (n // 10), 12)],
+        "very long": [" ".join(src[i:i + 12]) for i in range(0, 12 * max(1, n // 10), 12)],
         "numbers": [" ".join(str(rng.randint(1, 99999)) for _ in range(rng.randint(1, 8)))
                     for _ in head],
         "empty": [""],
@@ -149,16 +150,27 @@ def main() -> None:
         "known_bad": {},
     }
     examples = {}
+    bad_counts: Counter = Counter()
+    bad_lines = 0
     for kind, lines in known_bad(src, ref, args.bad).items():
         out = [ts[0] for ts in translator.generate_text(lines).translations]
-        results["known_bad"][kind] = {"lines": len(lines),
-                                      "flagged_pct": share(flag_counts(out), len(out))}
+        counts = flag_counts(out)
+        bad_counts.update(counts)
+        bad_lines += len(out)
+        results["known_bad"][kind] = {"lines": len(lines), "flagged_pct": share(counts, len(out))}
         examples[kind] = {"source": lines[0][:160], "output": out[0].text[:160],
                           "confidence": round(out[0].confidence, 3), "flags": list(out[0].flags)}
-    every = [results["known_bad"][k] for k in results["known_bad"]]
+    results["known_bad"]["all known-bad"] = {"lines": bad_lines,
+                                             "flagged_pct": share(bad_counts, bad_lines)}
     results["known_bad_examples"] = examples
     print(json.dumps(results, ensure_ascii=False, indent=1))
-    print(f"all known-bad lines: {sum(k['lines'] for k in every)}")
+    print("\n| input | lines | " + " | ".join(f"`{f}`" for f in FLAGS) + " | any |")
+    print("|---|---:|" + "---:|" * (len(FLAGS) + 1))
+    rows = {"Multi30k test2016": results["test2016"], **results["known_bad"]}
+    for name, row in rows.items():
+        pct = row["flagged_pct"]
+        print(f"| {name} | {row['lines']:,} | "
+              + " | ".join(f"{pct[f]:.1f}%" for f in (*FLAGS, "any")) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n",
                                    encoding="utf-8")
