@@ -494,8 +494,18 @@ def run_job(options: JobOptions, say: Say = print) -> Results | Stopped:
             fp32_hyps=choice.val_hyps, progress=options.decode_progress)
         decode_precision = precision_check["chosen"]
         say(f"[3/4] decoding precision: {precision_check['reason']}")
+    # the output/input length ratios of val's references bound the length_ratio flag
+    # (aiayn.decoding.quality); they travel with the model in its record
+    length_range = None
+    if valid is not None:
+        from aiayn.data.vocab import Vocabulary
+        from aiayn.decoding.quality import length_ratio_range
+
+        length_range = length_ratio_range(Vocabulary.load(choice.paths[0]), valid.src,
+                                          valid.tgt)
     # the run directory becomes the model it reports: these members, this search
-    record_choice(run_dir, choice, dc, precision=decode_precision, data=d)
+    record_choice(run_dir, choice, dc, precision=decode_precision, data=d,
+                  length_range=length_range)
 
     # [3/4] the test set, once, with the model the run directory now loads as
     final = Translator.from_pretrained(run_dir, device=device, workers="auto")

@@ -231,11 +231,12 @@ def check_reduced_precision(translator, sources: list[str], bleu, decode, *,
 
 
 def record_choice(run_dir: str | Path, choice: Choice, decode: DecodeConfig, *,
-                  precision: str, data) -> Path:
+                  precision: str, data, length_range=None) -> Path:
     """Write the run's generation record: the run directory becomes the chosen model (its
     folders, ``decode`` with the chosen alpha, the decoding ``precision``), with its val BLEU
     and that BLEU's protocol (:func:`aiayn.evaluation.bleu.bleu_protocol` of ``data``, the
-    run's DataConfig). Returns the file written."""
+    run's DataConfig), and ``length_range`` (a :class:`aiayn.decoding.quality.LengthRange`
+    made on val, the ``length_ratio`` flag's bounds) where given. Returns the file written."""
     from aiayn.evaluation.bleu import PROTOCOLS, bleu_protocol
 
     from aiayn.model.kernels import build_record
@@ -247,7 +248,8 @@ def record_choice(run_dir: str | Path, choice: Choice, decode: DecodeConfig, *,
         weights=str(choice.weights),
         averaged=[str(p.relative_to(run.path)) for p in choice.found],
         valid_bleu=choice.valid_bleu.get(str(choice.alpha)),
-        valid_protocol=PROTOCOLS[bleu_protocol(data)])
+        valid_protocol=PROTOCOLS[bleu_protocol(data)],
+        **({} if length_range is None else {"length_ratio": length_range.to_record()}))
 
 
 def write_results(run_dir: str | Path, results: dict[str, Any]) -> Path:

@@ -75,12 +75,14 @@ class DocumentTranslation:
         document: the source cut into sentences (:class:`aiayn.data.segment.Document`).
         translations: one text per source sentence.
         parts: per sentence, the parts it was translated in (1: it fit the model's max_len).
+        best: per sentence, its :class:`~aiayn.decoding.Translation` (confidence, flags).
     """
 
     text: str
     document: Any
     translations: list[str]
     parts: list[int]
+    best: list[Any] = dataclasses.field(default_factory=list)
 
     @property
     def split(self) -> list[int]:
@@ -99,10 +101,12 @@ def join_parts(results: list[list[Any]], counts: list[int]) -> list[list[Any]]:
     Returns:
         Per line, its alternatives: a one-part line's as they are; a split line's k-th one
         joins its parts' k-th texts with a space, sums their ``score`` and ``log_prob``, and
-        concatenates their tokens with one EOS at the end.
+        concatenates their tokens with one EOS at the end; its confidence and flags are
+        :func:`aiayn.decoding.quality.joined`'s (all the parts' tokens, any part's flags).
     """
     from aiayn.data.vocab import EOS_ID
     from aiayn.decoding import Translation
+    from aiayn.decoding.quality import joined as joined_quality
 
     if sum(counts) != len(results):
         raise ValueError(f"join_parts: {len(results)} results for {sum(counts)} parts")
@@ -118,7 +122,7 @@ def join_parts(results: list[list[Any]], counts: list[int]) -> list[list[Any]]:
             tokens = [t for x in ts for t in x.tokens if t != EOS_ID] + [EOS_ID]
             joined.append(Translation(" ".join(x.text for x in ts if x.text),
                                       sum(x.score for x in ts), sum(x.log_prob for x in ts),
-                                      tokens))
+                                      tokens, **joined_quality(ts)))
         out.append(joined)
     return out
 
@@ -157,6 +161,10 @@ class Translator:
             It applies to the searches (:meth:`generate`, and :meth:`attention` over the
             model's own output); :meth:`score` and a forced target use the whole vocabulary,
             since a given target may hold tokens off the list.
+        length_range: the output/input length ratios seen on validation
+            (:class:`~aiayn.decoding.quality.LengthRange`), which the ``length_ratio`` flag
+            checks; default none (that flag is unchecked). :meth:`from_pretrained` loads a
+            finished run's (its generation record's ``length_ratio``).
 
     Raises:
         ValueError: an empty ensemble; members with different output vocabularies or start
@@ -168,7 +176,7 @@ class Translator:
                  device: str | torch.device | None = None, precision: str | None = None,
                  source: list[str] | None = None,
                  warn: Callable[[str], None] | None = None, workers: int | str = 1,
-                 shortlist=None) -> None:
+                 shortlist=None, length_range=None) -> None:
         from aiayn.devices import choose_device
         from aiayn.precision import choose_precision, default_decoding_precision
 
@@ -198,6 +206,7 @@ class Translator:
 
             shortlist = Shortlist.load(shortlist, vocab)
         self.shortlist = shortlist
+        self.length_range = length_range
 
     @property
     def decoding_models(self) -> list:
@@ -252,9 +261,14 @@ class Translator:
             if differs:
                 (warn or logger.warning)(f"{path}: decoding on another machine than the run's "
                                          f"({differs}): a few lines may differ from its output")
+        from aiayn.decoding.quality import LengthRange
+
+        length_range = LengthRange.from_record(record.get("length_ratio"),
+                                               f"{path}: generation record")
         return cls(loaded.models, loaded.vocab, config=loaded.config,
                    decode=loaded.config.decode, device=dev, precision=precision,
-                   source=loaded.sources, warn=warn, workers=workers, shortlist=shortlist)
+                   source=loaded.sources, warn=warn, workers=workers, shortlist=shortlist,
+                   length_range=length_range)
 
     # --- what it decodes with ---------------------------------------------------------------
     @property
@@ -316,7 +330,8 @@ class Translator:
                 ``min_length_ratio`` and ``max_length_ratio`` override :attr:`decode_config`
                 as the fields above do (:mod:`aiayn.decoding.guards`; off by default); the
                 rest is passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
-                ``min_len``: benchmarks; ``shortlist``: default :attr:`shortlist`).
+                ``min_len``: benchmarks; ``shortlist``: default :attr:`shortlist`;
+                ``length_range``: default :attr:`length_range`).
 
         Raises:
             aiayn.errors.ConfigError: bad settings (naming them; a ``ValueError``).
@@ -339,6 +354,7 @@ class Translator:
                              **guards)
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
         engine.setdefault("shortlist", self.shortlist)
+        engine.setdefault("length_range", self.length_range)
         return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
                                sampling=sampling, bf16=self.precision.uses_bf16,
                                long_inputs=long_inputs, warn=warn, progress=progress,
@@ -450,7 +466,8 @@ class Translator:
         doc = segment(text, lang or self.config.data.src_lang)
         result = self.generate_text(doc.sentences, lang=lang, **options)
         texts = [ts[0].text for ts in result.translations]
-        return DocumentTranslation(doc.rejoin(texts), doc, texts, result.parts)
+        return DocumentTranslation(doc.rejoin(texts), doc, texts, result.parts,
+                                   [ts[0] for ts in result.translations])
 
     # --- scoring and attention --------------------------------------------------------------
     @torch.inference_mode()

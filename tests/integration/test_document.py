@@ -71,6 +71,11 @@ def test_a_600_token_line_is_translated_in_parts_never_truncated(translator, lon
     assert out.translations[1][0].text == " ".join(ts[0].text for ts in by_part if ts[0].text)
     assert out.translations[1][0].log_prob == pytest.approx(
         sum(ts[0].log_prob for ts in by_part), abs=1e-4)
+    # its confidence: all its parts' tokens together; its flags: any part's
+    assert out.translations[1][0].confidence == pytest.approx(
+        sum(ts[0].log_prob for ts in by_part) / sum(len(ts[0].tokens) for ts in by_part),
+        abs=1e-5)
+    assert set(out.translations[1][0].flags) == {f for ts in by_part for f in ts[0].flags}
     assert any("translated in parts" in n and "line 2" in n for n in notes)
     # long_inputs="split" in generate gives the same, and truncation stays available
     assert [t[0].text for t in translator.generate([long_line], long_inputs="split")] == \
@@ -90,6 +95,9 @@ def test_cli_document_json_and_long_lines(checkpoint, translator, tmp_path, caps
     obj = json.loads(capsys.readouterr().out)
     assert obj["text"] == text and obj["split"] == []
     assert [s["paragraph"] for s in obj["sentences"]] == [1, 1, 1, 2]
+    best = translator.translate_document(DOC).best  # each sentence's confidence and flags
+    assert [(s["confidence"], s["flags"]) for s in obj["sentences"]] == \
+        [(pytest.approx(t.confidence, abs=1e-5), list(t.flags)) for t in best]
     src.write_text(f"A man reads.\n{long_line}\n")
     assert main([*base, "--json"]) == 0
     captured = capsys.readouterr()
@@ -109,6 +117,7 @@ def test_server_document_and_split_long(translator, long_line):
         data = r.json()
         assert data["text"] == want.text and data["split"] == []
         assert [s["translation"] for s in data["sentences"]] == want.translations
+        assert [s["flags"] for s in data["sentences"]] == [list(t.flags) for t in want.best]
         assert client.post("/document", json={"text": " \n\n"}).status_code == 422
         assert client.post("/translate", json={"lines": [long_line]}).status_code == 413
         r = client.post("/translate", json={"lines": ["A man reads.", long_line],

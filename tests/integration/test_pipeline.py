@@ -285,3 +285,6 @@ def assert_the_run_is_the_model_it_reports(run_dir: Path, results: dict, tmp_pat
         lines, batch_size=limits.max_batch_lines)
     assert info["ensemble"] == [str(run_dir / m) for m in record["members"]]
     assert (info["precision"], info["decode"]["alpha"]) == (want, results["alpha"])
+    # the length_ratio flag's range, made on val's references, travels with the model
+    assert record["length_ratio"]["low"] < record["length_ratio"]["high"]
+    assert info["length_ratio"] == record["length_ratio"]

@@ -59,6 +59,7 @@ def test_health_info_page_and_unknown_paths(url, loaded):
     assert info["parameters"] == sum(p.numel() for p in model.parameters())
     assert info["limits"]["max_lines"] == 4
     assert info["shortlist"] is None
+    assert info["length_ratio"] is None  # a bare checkpoint: the flag is unchecked
     page = get(url, "/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert 'id="translate"' in page.text
@@ -80,6 +81,8 @@ def test_translate_answers_what_the_translator_gives(url, loaded):
         for g, w in zip(got, want):
             assert g["score"] == pytest.approx(w.score, abs=1e-5)
             assert g["log_prob"] == pytest.approx(w.log_prob, abs=1e-5)
+            assert g["confidence"] == pytest.approx(w.confidence, abs=1e-5)
+            assert g["flags"] == list(w.flags) and g["unchecked"] == ["length_ratio"]
     assert (data["beam"], data["alpha"], data["nbest"]) == (3, 0.6, 2)
     greedy = post(url, "/translate", {"lines": lines[:1], "beam": 1}).json()
     assert greedy["translations"][0][0]["score"] == greedy["translations"][0][0]["log_prob"]

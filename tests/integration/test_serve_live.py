@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 
+import httpx
 import pytest
 from serving import artifacts_dir, serve_process, tiny_checkpoint
 
@@ -64,6 +65,15 @@ def test_page_translates_and_draws_every_head(server):
             expect(page.locator("#warning")).to_have_text("")
             expect(page.locator(".result").first.locator("table.nbest tr")).to_have_count(2)
             assert best.first.inner_text().strip()
+            # a flagged line (issue 82) is marked, with its flags named, as the API flags it
+            api = httpx.post(url + "/translate", json={"lines": ["Two dogs play in the snow.",
+                             "A man rides a bike."], "nbest": 2}, timeout=30).json()
+            flags = [line[0]["flags"] for line in api["translations"]]
+            expect(page.locator(".result.flagged")).to_have_count(sum(map(bool, flags)))
+            for i, names in enumerate(flags):
+                if names:
+                    expect(page.locator(f'.result[data-line="{i}"] > .flags')).to_have_text(
+                        "\u26a0 " + ", ".join(names))
             # the attention of line 1's best translation is drawn on its own; pick a head
             expect(page.locator("#attention svg.lines line.weight").first).to_be_attached()
             page.select_option("#kind", "encoder")

@@ -18,6 +18,7 @@ from aiayn.cli import main
 from aiayn.config import load_config
 from aiayn.data.vocab import Vocabulary
 from aiayn.model import Transformer
+from aiayn.translator import Translator
 
 TEXTS = ["A man in a red shirt rides a bike.", "Two dogs play in the snow.",
          "Ein Mann in einem roten Hemd fährt Fahrrad.", "Zwei Hunde spielen im Schnee."] * 10
@@ -85,6 +86,15 @@ def test_stdin_stdout_nbest_and_json(checkpoint, monkeypatch, capsysbinary):
     assert [o["line"] for o in objs] == [1, 2, 3]
     assert objs[1]["translations"][0]["text"] == ""
     assert objs[0]["translations"][0]["log_prob"] < 0
+    # each carries its confidence and flags, as the Translator gives them (issue 82)
+    direct = Translator.from_pretrained(checkpoint, workers=1).generate(
+        data.decode().splitlines(), max_len_a=0.5, max_len_b=4)
+    for obj, (want, *_) in zip(objs, direct):
+        got = obj["translations"][0]
+        assert got["confidence"] == pytest.approx(want.confidence, abs=1e-5)
+        assert got["flags"] == list(want.flags) and got["unchecked"] == list(want.unchecked)
+    assert objs[0]["translations"][0]["unchecked"] == ["length_ratio"]  # a bare checkpoint
+    assert objs[1]["translations"][0]["confidence"] == 0.0
 
 
 def test_evaluate_agrees_with_sacrebleu(checkpoint, tmp_path, capsys):

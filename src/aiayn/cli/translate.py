@@ -255,8 +255,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'LINE ||| translation ||| score' per input line (LINE counts from 0)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per input line: line number, parts (1: it fit the "
-                        "model; more: translated in parts), translations with text, score and "
-                        "log_prob; with --document, one object: the text and each sentence")
+                        "model; more: translated in parts), translations with text, score, "
+                        "log_prob, confidence (log_prob per token), flags (likely failures: "
+                        "repeat, length_ratio, copy, no_eos) and unchecked flags; with "
+                        "--document, one object: the text and each sentence")
     p.add_argument("--document", action="store_true",
                    help="the input is a document: paragraphs separated by blank lines, each "
                         "cut into sentences (with the source language's abbreviations), all "
@@ -274,6 +276,7 @@ def _one_line(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from aiayn.decoding.quality import to_json as quality_json
     from aiayn.devices import choose_device
     from aiayn.fileio import check_output_file
 
@@ -306,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     for n, translations in enumerate(results):
         if args.json:
             out.append(json.dumps({"line": n + 1, "parts": parts[n], "translations": [
-                {"text": t.text, "score": t.score, "log_prob": t.log_prob}
+                {"text": t.text, "score": t.score, "log_prob": t.log_prob, **quality_json(t)}
                 for t in translations]}, ensure_ascii=False))
         elif args.nbest > 1:
             out.extend(f"{n} ||| {_one_line(t.text)} ||| {t.score:.4f}" for t in translations)
@@ -318,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _translate_document(args: argparse.Namespace, text: str, progress: bool) -> bytes:
     """The translated document as UTF-8 (``--json``: one JSON object with each sentence)."""
+    from aiayn.decoding.quality import to_json as quality_json
+
     translator = load_translator(args, "translate")
     options = decode_options(args)
     del options["nbest"]
@@ -336,7 +341,8 @@ def _translate_document(args: argparse.Namespace, text: str, progress: bool) -> 
         return result.text.encode("utf-8")
     doc = result.document
     sentences = [{"sentence": n + 1, "paragraph": doc.paragraphs[n] + 1, "source": src,
-                  "translation": result.translations[n], "parts": result.parts[n]}
+                  "translation": result.translations[n], "parts": result.parts[n],
+                  **quality_json(result.best[n])}
                  for n, src in enumerate(doc.sentences)]
     return (json.dumps({"text": result.text, "sentences": sentences, "split": result.split},
                        ensure_ascii=False) + "\n").encode("utf-8")

@@ -30,6 +30,7 @@ from aiayn.decoding.search import (
     same_columns,
 )
 from aiayn.decoding.guards import guard_processors, max_length_cap
+from aiayn.decoding.quality import LengthRange, assess
 from aiayn.decoding.shortlist import ShortlistStep
 from aiayn.config import DecodeConfig
 from aiayn.errors import ConfigError, UserError
@@ -45,12 +46,21 @@ class Translation:
         score: search score (``log_prob / lp(|Y|)`` for beam search, ``log_prob`` otherwise).
         log_prob: sum of token log-probabilities, EOS included (natural log).
         tokens: generated ids, EOS included.
+        confidence: ``log_prob / len(tokens)``, the length-normalized log-probability (0.0
+            for an empty input); see :mod:`aiayn.decoding.quality`.
+        flags: the likely failures it shows (``repeat``, ``length_ratio``, ``copy``,
+            ``no_eos``, defined in :mod:`aiayn.decoding.quality`); empty: none.
+        unchecked: the flags that could not be evaluated (``length_ratio`` without a
+            validation range).
     """
 
     text: str
     score: float
     log_prob: float
     tokens: list[int]
+    confidence: float = 0.0
+    flags: tuple[str, ...] = ()
+    unchecked: tuple[str, ...] = ()
 
 
 class InputTooLongError(UserError):
@@ -105,6 +115,7 @@ def translate_nbest(
     workers: int | str = 1,
     shortlist=None,
     processors: Callable[[list[int]], Sequence[ScoreProcessor]] | None = None,
+    length_range: LengthRange | None = None,
 ) -> list[list[Translation]]:
     """Translate ``lines`` of the model's own text; for each, up to ``nbest`` translations,
     best first. The engine under :class:`aiayn.Translator`, which owns the raw-text contract
@@ -144,6 +155,11 @@ def translate_nbest(
             batch's order) and returning :class:`~aiayn.decoding.search.ScoreProcessor`s,
             which find a row's line as ``chunk[state.rows[i]]``. Called in the process that
             decodes the batch (a forked worker sees the closure, unpickled).
+        length_range: the validation range of output/input length ratios that the
+            ``length_ratio`` flag checks (:class:`~aiayn.decoding.quality.LengthRange`);
+            None: that flag is unchecked. Every translation gets its confidence and flags
+            (:func:`~aiayn.decoding.quality.assess`) after the search; its text and tokens
+            are the search's, unchanged.
 
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
@@ -166,7 +182,7 @@ def translate_nbest(
         return _translate([as_engine(m) for m in models], vocab, lines, decode, nbest, sampling,
                           bf16, use_cache,
                           min_len, long_inputs, warn, progress, stats, workers, shortlist,
-                          processors)
+                          processors, length_range)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)
@@ -195,7 +211,8 @@ def check_ensemble(models: list) -> None:
 
 
 def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, min_len,
-               long_inputs, warn, progress, stats, workers, shortlist, processors):
+               long_inputs, warn, progress, stats, workers, shortlist, processors,
+               length_range=None):
     from aiayn.decoding.workers import choose_workers, run_in_workers
 
     batch_size = decode.batch_size
@@ -249,7 +266,9 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
                 hyps = beam_search(step, max_lens, beam_size=decode.beam_size,
                                    alpha=decode.alpha, nbest=nbest, min_len=min_len,
                                    rules=decode.beam_rules, stats=stats, processors=rules)
-        return [[_to_translation(vocab, h) for h in hs] for hs in hyps]
+        # each output judged against its own line and length limit (quality.assess)
+        return [[_to_translation(vocab, h, lines[i], len(sources[i]) - 1, limit, length_range)
+                 for h in hs] for i, limit, hs in zip(chunk, max_lens.tolist(), hyps)]
 
     def keep(b: int, translations: list[list[Translation]]) -> None:
         for i, ts in zip(chunks[b], translations):
@@ -292,5 +311,9 @@ def _shortlist_steps(models, encoded, shortlist, sources, producible, capacity):
             for model, (memory, src_mask) in zip(models, encoded)]
 
 
-def _to_translation(vocab: Vocabulary, h: Hypothesis) -> Translation:
-    return Translation(vocab.decode(h.tokens), h.score, h.log_prob, h.tokens)
+def _to_translation(vocab: Vocabulary, h: Hypothesis, source: str, source_tokens: int,
+                    max_len: int, length_range: LengthRange | None) -> Translation:
+    text = vocab.decode(h.tokens)
+    return Translation(text, h.score, h.log_prob, h.tokens,
+                       **assess(h.tokens, h.log_prob, text, source, source_tokens, max_len,
+                                length_range))

@@ -17,6 +17,10 @@ Endpoints:
 * Both take the guards ``no_repeat_ngram_size``, ``repetition_penalty``,
   ``min_length_ratio`` and ``max_length_ratio`` (:mod:`aiayn.decoding.guards`; default: the
   model's decode settings, all off); requests with other guards are decoded in other batches.
+* Every translation (and every /document sentence) carries its ``confidence`` (log-probability
+  per token, EOS included), ``flags`` (likely failures: ``repeat``, ``length_ratio``, ``copy``,
+  ``no_eos``) and ``unchecked`` (flags not evaluated), as :mod:`aiayn.decoding.quality`
+  defines them.
 * ``POST /attention`` ``{"source": "...", "target": "..."}``: every layer and head of the
   three kinds of attention for one pair; without ``target``, the model's own beam output.
 * Both answer ``warnings``, a list of sentences, empty when all is well: for now, that the
@@ -25,6 +29,7 @@ Endpoints:
 * ``GET /health``: ``{"status": "ok"}``. ``GET /info``: the model's config, parameter count,
   vocabulary size, decoding defaults, the vocabulary shortlist (``aiayn serve --shortlist``:
   its file, the ``always`` tokens and the source-target ``pairs``; null without one), the
+  ``length_ratio`` flag's validation range (null: that flag is unchecked), the
   server's limits, and its ``load`` now
   (``requests_in_flight``, ``queued_lines`` waiting for a batch, ``batches_run`` since start).
 
@@ -207,6 +212,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     from aiayn.data.text import tokenized_input_warning
     from aiayn.decoding.guards import GUARD_FIELDS, guard_settings
     from aiayn.errors import ConfigError
+    from aiayn.decoding.quality import to_json as quality_json
     from aiayn.translator import join_parts
     from aiayn.decoding.workers import WorkerPool, choose_workers
     from aiayn.model.transformer import count_parameters
@@ -345,7 +351,8 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 check_tokens(line, f"line {n}", max_len)
         key = (*search_settings(req.beam, req.alpha, req.nbest), guard_key(req))
         results, parts, batch_lines = await decode_in_parts(read, key)
-        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
+        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob,
+                                   **quality_json(t)}
                                   for t in line] for line in results],
                 "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
                 "parts": parts, "warnings": warnings(req.lines)}
@@ -378,9 +385,9 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                                                             key, req.lang)
         texts = [ts[0].text for ts in results]
         return {"text": doc.rejoin(texts),
-                "sentences": [{"source": src, "translation": t, "paragraph": p + 1,
-                               "parts": k} for src, t, p, k in zip(sources, texts,
-                                                                     doc.paragraphs, parts)],
+                "sentences": [{"source": src, "translation": ts[0].text, "paragraph": p + 1,
+                               "parts": k, **quality_json(ts[0])}
+                              for src, ts, p, k in zip(sources, results, doc.paragraphs, parts)],
                 "split": [n for n, k in enumerate(parts, 1) if k > 1],
                 "beam": key[0], "alpha": key[1], "batch_lines": batch_lines,
                 "warnings": warnings(sources)}
@@ -448,6 +455,9 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 {"path": translator.shortlist.source,
                  "always": int(translator.shortlist.always.numel()),
                  "pairs": int(translator.shortlist.targets.numel())},
+                # the length_ratio flag's validation range; null: that flag is unchecked
+                "length_ratio": None if translator.length_range is None
+                else translator.length_range.to_record(),
                 "limits": asdict(limits), "load": load(),
                 "workers": 1 if pool is None else pool.workers}
 
