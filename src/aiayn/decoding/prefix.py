@@ -219,12 +219,12 @@ def check_prefixes(translator, lines: Sequence[str], prefixes: Sequence[list[int
 
 
 def producible_tokens(models) -> set[int] | None:
-    """The tokens some member of ``models`` can produce (an ensemble keeps a token that one
-    member forbids), None when one of them produces every token."""
+    """The tokens some member of ``models`` (:class:`~aiayn.model.Transformer`s) can produce
+    (an ensemble keeps a token that one member forbids), None when one of them produces every
+    token (:meth:`~aiayn.model.Transformer.output_token_ids`)."""
     found: set[int] = set()
     for m in models:
-        ids = m.output_token_ids(EOS_ID + 1) if hasattr(m, "output_token_ids") else \
-            m.compact_token_ids
+        ids = m.output_token_ids(EOS_ID + 1)
         if ids is None:
             return None
         found.update(ids.tolist())
