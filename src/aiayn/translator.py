@@ -309,7 +309,9 @@ class Translator:
                  beam_rules: str | None = None, nbest: int = 1, sampling=None,
                  long_inputs: str = "truncate", preprocessed: bool = False,
                  progress: bool = False, warn: Callable[[str], None] | None = None,
-                 workers: int | str | None = None, **engine: Any) -> list[list[Any]]:
+                 workers: int | str | None = None,
+                 target_prefix: Sequence[str | None] | None = None, alternatives: bool = False,
+                 **engine: Any) -> list[list[Any]]:
         """Translate ``lines``: for each, up to ``nbest``
         :class:`~aiayn.decoding.Translation` objects (text, score, log_prob, tokens), best
         first. An empty line gives one empty translation.
@@ -326,6 +328,13 @@ class Translator:
                 applied), as the training corpus is.
             workers: decode in this many processes (default :attr:`workers`; see
                 :class:`Translator`).
+            target_prefix: per line, the text its translation must begin with (None or ""
+                for none; raw target text, or the model's with ``preprocessed``): the output's
+                tokens begin with the prefix's exactly and the search continues from there
+                (:mod:`aiayn.decoding.prefix`; a split line's prefix goes to its first part).
+            alternatives: with ``nbest`` k, the k best tokens after the prefix, each
+                continued by the search (CTranslate2's ``return_alternatives``); ``nbest``
+                may then exceed the beam.
             engine: the guards ``no_repeat_ngram_size``, ``repetition_penalty``,
                 ``min_length_ratio`` and ``max_length_ratio`` override :attr:`decode_config`
                 as the fields above do (:mod:`aiayn.decoding.guards`; off by default); the
@@ -336,6 +345,8 @@ class Translator:
         Raises:
             aiayn.errors.ConfigError: bad settings (naming them; a ``ValueError``).
             aiayn.decoding.InputTooLongError: a long line with ``long_inputs="error"``.
+            aiayn.decoding.prefix.PrefixError: a prefix that cannot be forced (one too long
+                for its line's output, a token the model never produces; naming the line).
         """
         from aiayn.decoding import translate_nbest
 
@@ -344,7 +355,8 @@ class Translator:
                 lines, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                 max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules, nbest=nbest,
                 sampling=sampling, preprocessed=preprocessed, progress=progress, warn=warn,
-                workers=workers, **engine).translations
+                workers=workers, target_prefix=target_prefix, alternatives=alternatives,
+                **engine).translations
         warn = warn or self.warn
         from aiayn.decoding.guards import GUARD_FIELDS
 
@@ -355,10 +367,19 @@ class Translator:
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
         engine.setdefault("shortlist", self.shortlist)
         engine.setdefault("length_range", self.length_range)
+        engine.update(sampling=sampling, bf16=self.precision.uses_bf16, long_inputs=long_inputs,
+                      warn=warn, progress=progress,
+                      workers=self.workers if workers is None else workers)
+        if target_prefix is not None or alternatives:
+            from aiayn.decoding.prefix import decode_from_prefix, model_prefixes
+
+            if target_prefix is not None:
+                target_prefix = model_prefixes(self, target_prefix, len(text),
+                                               preprocessed=preprocessed)
+            return decode_from_prefix(self, text, target_prefix, decode, nbest=nbest,
+                                      alternatives=alternatives, **engine)
         return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
-                               sampling=sampling, bf16=self.precision.uses_bf16,
-                               long_inputs=long_inputs, warn=warn, progress=progress,
-                               workers=self.workers if workers is None else workers, **engine)
+                               **engine)
 
     def translate(self, lines: list[str], *, nbest: int = 1, **options: Any
                   ) -> list[str] | list[list[str]]:
@@ -418,7 +439,9 @@ class Translator:
 
         Args:
             lang: the source language for the sentence splitter (default ``data.src_lang``).
-            options: as :meth:`generate` (``long_inputs`` excepted).
+            options: as :meth:`generate` (``long_inputs`` excepted); a split line's
+                ``target_prefix`` goes to its first part (with ``alternatives``, every part
+                gives its alternatives, and the k-th ones are joined).
 
         Returns:
             A :class:`TextTranslations`: per line, up to ``nbest`` translations, and its count
@@ -429,13 +452,22 @@ class Translator:
         """
         warn = warn or self.warn
         lines = list(lines)
+        prefixes = options.pop("target_prefix", None)
+        if prefixes is not None:  # the model's text, each on its line's first part
+            from aiayn.decoding.prefix import model_prefixes
+
+            prefixes = model_prefixes(self, prefixes, len(lines), preprocessed=preprocessed)
         if not preprocessed:
             lines = self.preprocess(lines, warn=warn)  # warned about once, here
         parts = self.split_long_lines(lines, lang=lang, preprocessed=True)
         flat = [p for ps in parts for p in ps]
+        counts = [len(ps) for ps in parts]
+        if prefixes is not None:
+            from aiayn.decoding.prefix import first_parts
+
+            options["target_prefix"] = first_parts(prefixes, counts)
         out = self.generate(flat, nbest=nbest, long_inputs="error", preprocessed=True,
                             warn=warn, **options)
-        counts = [len(ps) for ps in parts]
         split = [n for n, k in enumerate(counts, 1) if k > 1]
         if split:
             shown = ", ".join(map(str, split[:10])) + (", ..." if len(split) > 10 else "")

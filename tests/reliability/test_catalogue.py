@@ -308,6 +308,14 @@ CASES = [
     C("translate", "a binary file (a weights file)", "translate --checkpoint " + RUN + " -i "
       + CK + "/model.safetensors", CK + "/model.safetensors"),
     C("translate", "--document with --nbest 2", TR + " --document --nbest 2", "--nbest"),
+    C("translate", "--target-prefix of another line count than the input", TR
+      + " --target-prefix {ws}/three.txt", "{ws}/three.txt", "{ws}/in.txt"),
+    C("translate", "a target prefix longer than the output may be", TR
+      + " --target-prefix {ws}/longprefix.txt", "line 1", "max_len"),
+    C("translate", "--target-prefix a binary file (a weights file)", TR + " --target-prefix "
+      + CK + "/model.safetensors", CK + "/model.safetensors", "binary"),
+    C("translate", "--target-prefix with --document", TR + " --document --target-prefix "
+      "{ws}/in.txt", "--target-prefix"),
     # --- evaluate ----------------------------------------------------------------------------
     C("evaluate", "neither --hyp nor --src", "evaluate --ref {ws}/ref.txt", "--hyp"),
     C("evaluate", "--hyp and --src", "evaluate --hyp {ws}/hyp.txt --src {ws}/in.txt "
@@ -470,6 +478,7 @@ def ws(trained_run: Path, tmp_path_factory) -> Path:
     w("broken.gz", gzip.compress(b"a b c\n" * 100)[:30])
     w("pairs.tsv", "a b\tc d\nno tab here\n")
     w("long.txt", " ".join(["a"] * 200) + "\n")
+    w("longprefix.txt", " ".join(["a"] * 100) + "\n\n")
     w("bad.json", '{"model": {"N": 2,')
     w("list.json", "[1, 2]")
     w("number.json", "42")

@@ -268,6 +268,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the source language for cutting sentences (ISO 639, e.g. en; "
                         "default: the model's data.src_lang)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--target-prefix", default=None, metavar="FILE",
+                   help="UTF-8 text, line-aligned with the input: each translation begins "
+                        "with its line's text exactly (an empty line: none) and the search "
+                        "continues from there")
+    p.add_argument("--alternatives", action="store_true",
+                   help="with --nbest K: the K most likely tokens after each prefix (or at "
+                        "the start), each continued by the search, in that order "
+                        "(CTranslate2's return_alternatives, for autocompletion); K may "
+                        "exceed --beam")
 
 
 def _one_line(text: str) -> str:
@@ -285,6 +294,9 @@ def run(args: argparse.Namespace) -> int:
     if args.document and args.nbest > 1:
         raise UserError(f"--nbest {args.nbest} needs one sentence a line; --document gives "
                         "one translated document")
+    if args.document and (args.target_prefix or args.alternatives):
+        raise UserError("--target-prefix and --alternatives need one sentence a line, not "
+                        "--document")
     check_decode_arguments(args)
     choose_device(args.device)
     to_file = args.output not in (None, "-")
@@ -296,8 +308,11 @@ def run(args: argparse.Namespace) -> int:
         _write(data, args.output if to_file else None)
         return 0
     lines = read_input(args.input)
+    prefixes = read_prefixes(args, len(lines))
     translator = load_translator(args, "translate")
     options = decode_options(args, nbest=args.nbest)
+    if prefixes is not None or args.alternatives:
+        options.update(target_prefix=prefixes, alternatives=args.alternatives)
     parts = [1] * len(lines)
     if options["long_inputs"] == "split":
         del options["long_inputs"]
@@ -317,6 +332,23 @@ def run(args: argparse.Namespace) -> int:
             out.append(_one_line(translations[0].text))
     _write("".join(line + "\n" for line in out).encode("utf-8"), args.output if to_file else None)
     return 0
+
+
+def read_prefixes(args: argparse.Namespace, lines: int) -> list[str] | None:
+    """The lines of ``--target-prefix`` (None without it), one per input line.
+
+    Raises:
+        UserError: a line count other than the input's, naming both files.
+    """
+    if args.target_prefix is None:
+        return None
+    prefixes = read_input(args.target_prefix)
+    if len(prefixes) != lines:
+        source = "<stdin>" if args.input in (None, "-") else args.input
+        raise UserError(f"--target-prefix {args.target_prefix} has {len(prefixes)} lines but "
+                        f"the input {source} has {lines}: give one prefix line per input line "
+                        "(an empty line for none)")
+    return prefixes
 
 
 def _translate_document(args: argparse.Namespace, text: str, progress: bool) -> bytes:

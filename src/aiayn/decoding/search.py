@@ -48,12 +48,16 @@ class SearchState:
             data; None where the caller did not say (a hand-made state).
         tokens: long (n, t), the token ids each live row has generated so far (not the
             step's columns), oldest first; None where the caller did not say.
+        token_ids: long (V',), the token of each of the step's columns (its ``token_ids``);
+            None where column j is token j. A rule that bans or forces a token maps its id
+            to a column with it.
     """
 
     t: int
     max_lens: Tensor
     rows: Tensor | None = None
     tokens: Tensor | None = None
+    token_ids: Tensor | None = None
 
 
 class ScoreProcessor(Protocol):
@@ -312,7 +316,7 @@ def greedy_search(
     while rows.numel() > 0:
         if stats is not None:
             stats.count(rows.numel())
-        state = SearchState(t, lens, rows, seq)
+        state = SearchState(t, lens, rows, seq, ids)
         if sampling is None:
             column, chosen_logp = step.greedy(tokens, rules, state)
         else:
@@ -443,7 +447,7 @@ def beam_search(
         per = last.shape[0] // n  # rows per sentence: 1 on the first step, then K
         state = SearchState(t, lens.repeat_interleave(per), sentence.repeat_interleave(per),
                             live_tokens.reshape(n * per, t) if per == K
-                            else live_tokens[:, 0])
+                            else live_tokens[:, 0], ids)
         logp = apply_processors(step.log_probs(last), score_rules, state)  # (n*K or n, V)
         V = logp.shape[-1]
         # on step 0, one row per sentence: its beams 1..K-1 are not alive yet (-inf)

@@ -92,7 +92,9 @@ def encode_sources(
         msg = (f"{len(long_lines)} input line(s) longer than the model's max_len={max_len} "
                f"tokens (first: line {first}, {len(ids[first - 1]) + 1} tokens with EOS)")
         if long_inputs == "error":
-            raise InputTooLongError(msg + "; shorten or split them, or allow truncation")
+            raise InputTooLongError(msg + "; shorten them, or have them translated in parts "
+                                    "and joined (aiayn translate without --reject-long; "
+                                    "long_inputs=\"split\" in Translator.generate)")
         (warn or (lambda m: warnings.warn(m, stacklevel=3)))(msg + f"; truncated to {max_len}")
     return [s[: max_len - 1] + [EOS_ID] for s in ids]
 

@@ -9,6 +9,9 @@ Endpoints:
   With ``"split_long": true``, a line longer than the model's ``max_len`` is translated in
   parts and joined (:meth:`aiayn.Translator.split_long_lines`) instead of answering 413;
   ``parts`` says, per line, how many parts it was translated in (1: it fit).
+  ``"target_prefix": [...]`` (one per line, null for none) makes each translation begin with
+  its text, and ``"alternatives": true`` with ``nbest`` K gives the K best continuations after
+  it (:mod:`aiayn.decoding.prefix`); a prefix that cannot be forced answers 422.
 * ``POST /document`` ``{"text": "...", "lang": "en", "beam": 4, "alpha": 0.6}``: plain text
   with paragraphs, cut into sentences (:mod:`aiayn.data.segment`), decoded as one batch
   (an over-long sentence in parts) and put back with its line breaks, blank lines and
@@ -84,6 +87,12 @@ class TranslateRequest(GuardOptions):
     nbest: int = Field(1, ge=1, description="translations per line, <= beam")
     split_long: bool = Field(False, description="translate a line over the model's max_len "
                                                 "in parts and join them (else 413)")
+    target_prefix: list[str | None] | None = Field(
+        None, description="per line, the text its translation must begin with (null or \"\" "
+                          "for none); as many items as lines")
+    alternatives: bool = Field(False, description="with nbest K: the K most likely tokens "
+                               "after each prefix, each continued by the search (K may exceed "
+                               "beam, up to the server's largest beam)")
 
 
 class DocumentRequest(GuardOptions):
@@ -214,6 +223,9 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     from aiayn.errors import ConfigError
     from aiayn.decoding.quality import to_json as quality_json
     from aiayn.translator import join_parts
+    from aiayn.decoding.prefix import (PrefixError, check_prefixes, encode_prefixes, first_parts,
+                                       model_prefixes)
+    from aiayn.errors import UserError
     from aiayn.decoding.workers import WorkerPool, choose_workers
     from aiayn.model.transformer import count_parameters
 
@@ -223,11 +235,16 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     max_len = min(m.config.max_len for m in translator.models)
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiayn-model")
 
-    def run_batch(lines: list[str], key: tuple):
-        beam, alpha, nbest, guards = key  # guards: ((field, value), ...), see guard_key
+    def run_batch(items: list[tuple[str, str | None]], key: tuple):
+        # key: beam, alpha, nbest, the guards ((field, value), ...: guard_key), alternatives
+        beam, alpha, nbest, guards, alternatives = key
+        lines = [line for line, _ in items]
+        prefixes = [prefix for _, prefix in items]
+        prefix = (dict(target_prefix=prefixes, alternatives=alternatives)
+                  if alternatives or any(p is not None for p in prefixes) else {})
         return translator.generate(lines, beam_size=beam, alpha=alpha, nbest=nbest,
                                    batch_size=limits.max_batch_lines, long_inputs="error",
-                                   preprocessed=True, workers=1, **dict(guards))
+                                   preprocessed=True, workers=1, **dict(guards), **prefix)
 
     workers = choose_workers(translator.workers, translator.device, limits.max_concurrent)
     pool = None
@@ -349,24 +366,48 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
         if not req.split_long:
             for n, line in enumerate(read, 1):
                 check_tokens(line, f"line {n}", max_len)
-        key = (*search_settings(req.beam, req.alpha, req.nbest), guard_key(req))
-        results, parts, batch_lines = await decode_in_parts(read, key)
+        prefixes = None
+        if req.target_prefix is not None:
+            for n, text in enumerate(req.target_prefix, 1):
+                check_chars(text or "", f"target_prefix {n}")
+            try:
+                prefixes = model_prefixes(translator, req.target_prefix, len(req.lines))
+            except PrefixError as err:
+                raise HTTPException(422, str(err)) from None
+        key = (*search_settings(req.beam, req.alpha, 1 if req.alternatives else req.nbest),
+               guard_key(req), req.alternatives)
+        if req.alternatives:
+            if req.nbest > limits.max_beam:
+                raise HTTPException(422, f"nbest {req.nbest} alternatives are more than this "
+                                         f"server allows (at most {limits.max_beam})")
+            key = (key[0], key[1], req.nbest, key[3], True)
+        results, parts, batch_lines = await decode_in_parts(read, key, prefixes=prefixes)
         return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob,
                                    **quality_json(t)}
                                   for t in line] for line in results],
                 "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
                 "parts": parts, "warnings": warnings(req.lines)}
 
-    async def decode_in_parts(read: list[str], key, lang: str | None = None):
+    async def decode_in_parts(read: list[str], key, lang: str | None = None,
+                              prefixes: list[str | None] | None = None):
         """``read`` (the model's text) decoded in the batcher, a line over ``max_len`` in
-        parts: (translations per line, parts per line, the batch's lines)."""
+        parts (its target prefix, the model's text, on its first part): (translations per
+        line, parts per line, the batch's lines)."""
         parts = translator.split_long_lines(read, lang=lang, preprocessed=True)
         counts = [len(ps) for ps in parts]
         if sum(counts) > limits.max_lines:
             raise HTTPException(413, f"{sum(counts)} sentences and parts of long lines in one "
                                      f"request; at most {limits.max_lines} are accepted")
-        try:
-            results, batch_lines = await batcher().submit([p for ps in parts for p in ps], key)
+        flat = [p for ps in parts for p in ps]
+        flat_prefixes = first_parts(prefixes, counts) or [None] * len(flat)
+        if prefixes is not None:  # refused here, not in a batch shared with other requests
+            try:
+                check_prefixes(translator, flat, encode_prefixes(vocab, flat_prefixes), decode,
+                               shortlist=translator.shortlist)
+            except UserError as err:
+                raise HTTPException(422, str(err)) from None
+        try:  # each line travels with its prefix (the batch mixes requests)
+            results, batch_lines = await batcher().submit(list(zip(flat, flat_prefixes)), key)
         except QueueFullError as err:
             raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from None
         except ShuttingDownError as err:
@@ -380,7 +421,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
         if not doc.spans:
             raise HTTPException(422, "text is empty: give at least one sentence")
         sources = doc.sentences
-        key = (*search_settings(req.beam, req.alpha), guard_key(req))
+        key = (*search_settings(req.beam, req.alpha), guard_key(req), False)
         results, parts, batch_lines = await decode_in_parts(translator.preprocess(sources),
                                                             key, req.lang)
         texts = [ts[0].text for ts in results]
