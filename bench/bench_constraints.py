@@ -3,6 +3,7 @@ against unconstrained decoding, on Multi30k test2016 en->de with constraints fro
 
 Run:  AIAYN_DATA_DIR=../shared/data python bench/bench_constraints.py --checkpoint RUN
       [--sentences 1000] [--rounds 2] [--base-sentences 64] [--json-out FILE]
+      (or --vocab DIR --base-sentences 64 alone: the base-shape timing only)
 
 Constraints are taken from each reference as Post & Vilar (2018) and Hu et al. (2019) do: for
 ``--per-sentence`` k (1 and 3), k non-overlapping phrases of 1-3 words drawn at random from the
@@ -16,8 +17,9 @@ detokenized, 13a: its signature is printed) against the references, and sentence
 sentences per CPU second. The unconstrained and constrained runs are interleaved, ``--rounds``
 times each, and the fastest round of each is kept: the machine may be shared.
 
-With ``--base-sentences N`` > 0, the same timing on the paper's base shape (N=6, d_model 512,
-h 8, d_ff 2048) with random weights over the checkpoint's vocabulary, fp32, beam 4: every
+With ``--base-sentences N`` > 0, the same timing on the paper's base shape (the ``base``
+preset: N=6, d_model 512, h 8, d_ff 2048) with random weights over the checkpoint's (or
+``--vocab``'s) vocabulary, fp32, beam 4, one thread: every
 output forced to exactly 25 tokens plus EOS (``min_len``), so the two runs do the same number
 of decoder steps and the ratio is the constrained search's own cost.
 """
@@ -86,7 +88,9 @@ def cpu_class() -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--vocab", default=None, help="the base-shape model's vocabulary (a folder "
+                   "with tokenizer.json; default: the checkpoint's)")
     p.add_argument("--precision", default=None)
     p.add_argument("--sentences", type=int, default=0, help="0: all of test2016")
     p.add_argument("--per-sentence", type=int, nargs="+", default=[1, 3])
@@ -102,77 +106,91 @@ def main() -> int:
 
     torch.set_num_threads(1)
     from aiayn import Translator
-    from aiayn.decoding.constraints import placed
-    from aiayn.evaluation.bleu import sacrebleu_scores
+    from aiayn.data.vocab import Vocabulary
 
     data = Path(os.environ.get("AIAYN_DATA_DIR", "data")) / "multi30k"
     src = _read(data / "test_2016_flickr.en.gz", args.sentences or None)
     ref = _read(data / "test_2016_flickr.de.gz", args.sentences or None)
-    translator = Translator.from_pretrained(args.checkpoint, device="cpu",
-                                            precision=args.precision, workers=1)
-    opts = dict(beam_size=args.beam, batch_size=args.batch_size, workers=1)
-    sets = {0: None}
+    sets: dict[int, list | None] = {0: None}
     for k in args.per_sentence:
         rng = random.Random(args.seed)
         sets[k] = [reference_phrases(r, k, rng) or None for r in ref]
-    translator.generate(src[:16], **opts)  # warm-up (kernels, int8 copies)
-    rows = {}
-    for _ in range(args.rounds):  # interleaved: the machine is shared
-        for k, cons in sets.items():
-            out, wall, cpu = timed(lambda: translator.generate(src, constraints=cons, **opts))
-            best = rows.get(k)
-            if best is None or wall < best["wall_s"]:
-                rows[k] = {"wall_s": wall, "cpu_s": cpu, "out": out}
-    report = {"cpu": cpu_class(), "checkpoint": args.checkpoint,
-              "precision": translator.precision.chosen, "beam": args.beam,
-              "sentences": len(src), "threads": 1, "seed": args.seed, "rows": []}
-    for k, cons in sets.items():
-        out = rows[k]["out"]
-        hyps = [o[0].text for o in out]
-        scores = sacrebleu_scores(hyps, ref)
-        n_phr = n_placed = 0
-        if cons is not None:
-            ids = [None if c is None else [translator.vocab.encode(x) for x in
-                                           translator.preprocess(c, "tgt")] for c in cons]
-            for c, o in zip(ids, out):
-                if c:
-                    got = placed(c, o[0].tokens)
-                    n_phr += len(got)
-                    n_placed += sum(got)
-        report["rows"].append({
-            "constraints_per_sentence": k, "phrases": n_phr, "placed": n_placed,
-            "bleu": round(scores["bleu"], 2), "signature": scores["bleu_signature"],
-            "sent_per_s": round(len(src) / rows[k]["wall_s"], 1),
-            "sent_per_cpu_s": round(len(src) / rows[k]["cpu_s"], 1)})
+    report = {"cpu": cpu_class(), "beam": args.beam, "sentences": len(src), "threads": 1,
+              "seed": args.seed, "torch_threads": torch.get_num_threads()}
+    vocab = None
+    if args.checkpoint:
+        translator = Translator.from_pretrained(args.checkpoint, device="cpu",
+                                                precision=args.precision, workers=1)
+        vocab = translator.vocab
+        report.update(trained(translator, src, ref, sets, args))
+    if args.vocab:
+        vocab = Vocabulary.load(Path(args.vocab) / "tokenizer.json")
     if args.base_sentences:
-        report["base"] = base_shape(translator, src[:args.base_sentences], sets, args)
+        report["base"] = base_shape(vocab, src[:args.base_sentences], sets, args)
     print(json.dumps(report, indent=1, ensure_ascii=False))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=1, ensure_ascii=False))
     return 0
 
 
-def base_shape(translator, src, sets, args) -> list[dict]:
+def trained(translator, src, ref, sets, args) -> dict:
+    """Placed share, BLEU and speed of the trained model, unconstrained against constrained."""
+    from aiayn.decoding.constraints import placed
+    from aiayn.evaluation.bleu import sacrebleu_scores
+
+    opts = dict(beam_size=args.beam, batch_size=args.batch_size, workers=1)
+    translator.generate(src[:16], **opts)  # warm-up (kernels, int8 copies)
+    runs: dict[int, dict] = {}
+    for _ in range(args.rounds):  # interleaved: the machine is shared
+        for k, cons in sets.items():
+            out, wall, cpu = timed(lambda: translator.generate(src, constraints=cons, **opts))
+            best = runs.get(k)
+            if best is None or wall < best["wall_s"]:
+                runs[k] = {"wall_s": wall, "cpu_s": cpu, "out": out}
+    rows = []
+    for k, cons in sets.items():
+        out = runs[k]["out"]
+        scores = sacrebleu_scores([o[0].text for o in out], ref)
+        n_phr = n_placed = 0
+        if cons is not None:
+            for c, o in zip(cons, out):
+                if c:
+                    ids = [translator.vocab.encode(x) for x in translator.preprocess(c, "tgt")]
+                    got = placed(ids, o[0].tokens)
+                    n_phr += len(got)
+                    n_placed += sum(got)
+        rows.append({
+            "constraints_per_sentence": k, "phrases": n_phr, "placed": n_placed,
+            "bleu": round(scores["bleu"], 2), "signature": scores["bleu_signature"],
+            "sent_per_s": round(len(src) / runs[k]["wall_s"], 1),
+            "sent_per_cpu_s": round(len(src) / runs[k]["cpu_s"], 1),
+            "ratio_to_unconstrained": round(runs[0]["wall_s"] / runs[k]["wall_s"], 3)})
+    return {"checkpoint": args.checkpoint, "precision": translator.precision.chosen,
+            "rows": rows}
+
+
+def base_shape(vocab, src, sets, args) -> list[dict]:
     """Speed alone on the base shape (random weights, outputs forced to 25 tokens)."""
     import dataclasses
 
     import torch
 
     from aiayn import Translator
+    from aiayn.config import load_config
     from aiayn.model import Transformer
 
-    cfg = dataclasses.replace(translator.config.model, N=6, d_model=512, h=8, d_k=64, d_v=64,
-                              d_ff=2048)
+    config = load_config("base")
+    cfg = dataclasses.replace(config.model, vocab_size=len(vocab))
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
-    base = Translator(model, translator.vocab, config=dataclasses.replace(
-        translator.config, model=cfg), precision="fp32", workers=1)
+    base = Translator(model, vocab, config=dataclasses.replace(config, model=cfg),
+                      precision="fp32", workers=1)
     opts = dict(beam_size=args.beam, batch_size=args.batch_size, workers=1, max_len_a=0.0,
-                max_len_b=25, min_len=25)
+                max_len_b=25, min_len=25, preprocessed=True)
     base.generate(src[:8], **opts)
     best: dict[int, float] = {}
     cpu: dict[int, float] = {}
-    for _ in range(args.rounds):
+    for _ in range(args.rounds):  # interleaved: the machine is shared
         for k, cons in sets.items():
             c = None if cons is None else cons[:len(src)]
             _, wall, used = timed(lambda: base.generate(src, constraints=c, **opts))

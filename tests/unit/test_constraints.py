@@ -26,6 +26,7 @@ from aiayn.decoding.constraints import (
     read_glossary,
 )
 from aiayn.errors import DataError
+from aiayn.model import kernels
 from aiayn.translator import Translator
 
 
@@ -181,6 +182,8 @@ def test_batched_equals_one_at_a_time_and_greedy(model, vocab):
 
 
 def test_int8_and_an_ensemble(model, vocab):
+    """Placed with int8 and with an ensemble; with int8 (batch-invariant kernels), the lines
+    without constraints keep their text, tokens and score exactly."""
     other = tiny_model(len(vocab), seed=2)
     for translator in (Translator(model, vocab, precision="int8"),
                        Translator([model, other], vocab, precision="fp32")):
@@ -188,6 +191,10 @@ def test_int8_and_an_ensemble(model, vocab):
         for out, ids in zip(got, _ids(vocab, CONS)):
             if ids:
                 assert all(placed(ids, out[0].tokens))
+        if translator.precision.uses_int8 and kernels.AVAILABLE:
+            plain = translator.generate(LINES, **OPTS)
+            assert [got[i][0] for i, c in enumerate(CONS) if c is None] == \
+                [plain[i][0] for i, c in enumerate(CONS) if c is None]
 
 
 def test_a_shortlist_lets_the_constraint_tokens_in(model, vocab):
