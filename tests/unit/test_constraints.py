@@ -255,9 +255,11 @@ def test_constraint_files_and_glossary(tmp_path):
     jl.write_text('{"constraints": ["hund"]}\n\n{"constraints": [oops\n', encoding="utf-8")
     with pytest.raises(DataError, match=r"c\.jsonl, line 3: bad JSON"):
         read_constraints(jl, 3)
+    jl.write_text(json.dumps({"constraints": ["hund"]}) + "\n{}\n[1]\n", encoding="utf-8")
+    with pytest.raises(DataError, match="line 3: expected"):
+        read_constraints(jl, 3)
     jl.write_text(json.dumps({"constraints": ["hund"]}) + "\n{}\n", encoding="utf-8")
-    with pytest.raises(DataError, match="line 2: expected"):
-        read_constraints(jl, 2)
+    assert read_constraints(jl, 2) == [["hund"], None]
     gl = tmp_path / "g.tsv"
     gl.write_text("# terms\ndog\thund\npark\tpark\n", encoding="utf-8")
     glossary = read_glossary(gl)

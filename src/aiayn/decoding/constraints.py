@@ -464,8 +464,9 @@ def spread_over_parts(constraints: Sequence[Any], counts: Sequence[int]) -> list
 
 def read_constraints(path: str | Path, n_lines: int) -> list[list[str] | None]:
     """A constraints file, line-aligned with the input: JSON Lines (``.jsonl``/``.json``, or
-    a first line that starts with ``{``), ``{"constraints": ["phrase", ...]}`` per line; or
-    TSV, target phrases separated by tabs, an empty line for none.
+    a first line that starts with ``{``), ``{"constraints": ["phrase", ...]}`` per line
+    (``{}`` or an empty line for none); or TSV, target phrases separated by tabs, an empty
+    line for none.
 
     Raises:
         DataError: an unreadable file, bad JSON, a wrong line count (naming file and line).
@@ -488,7 +489,7 @@ def read_constraints(path: str | Path, n_lines: int) -> list[list[str] | None]:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}, line {n}: bad JSON ({err.msg})") from None
-            phrases = obj.get("constraints") if isinstance(obj, dict) else None
+            phrases = obj.get("constraints", []) if isinstance(obj, dict) else None
             if not isinstance(phrases, list) or not all(isinstance(p, str) for p in phrases):
                 raise DataError(f'{path}, line {n}: expected {{"constraints": ["phrase", ...]}}'
                                 f", got {line.strip()[:80]!r}")
