@@ -311,6 +311,7 @@ class Translator:
                  progress: bool = False, warn: Callable[[str], None] | None = None,
                  workers: int | str | None = None,
                  target_prefix: Sequence[str | None] | None = None, alternatives: bool = False,
+                 constraints=None,
                  **engine: Any) -> list[list[Any]]:
         """Translate ``lines``: for each, up to ``nbest``
         :class:`~aiayn.decoding.Translation` objects (text, score, log_prob, tokens), best
@@ -335,6 +336,12 @@ class Translator:
             alternatives: with ``nbest`` k, the k best tokens after the prefix, each
                 continued by the search (CTranslate2's ``return_alternatives``); ``nbest``
                 may then exceed the beam.
+            constraints: per line, target phrases (text, read as the model's target side;
+                None or [] for none) its translation must hold: terminology constraints
+                placed by dynamic beam allocation (:mod:`aiayn.decoding.constraints`); lines
+                without any decode exactly as without the option. A line whose phrases do not
+                all fit in its maximum output is refused; one whose search runs out of length
+                before placing them all is warned about. Not with ``alternatives``.
             engine: the guards ``no_repeat_ngram_size``, ``repetition_penalty``,
                 ``min_length_ratio`` and ``max_length_ratio`` override :attr:`decode_config`
                 as the fields above do (:mod:`aiayn.decoding.guards`; off by default); the
@@ -356,7 +363,7 @@ class Translator:
                 max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules, nbest=nbest,
                 sampling=sampling, preprocessed=preprocessed, progress=progress, warn=warn,
                 workers=workers, target_prefix=target_prefix, alternatives=alternatives,
-                **engine).translations
+                constraints=constraints, **engine).translations
         warn = warn or self.warn
         from aiayn.decoding.guards import GUARD_FIELDS
 
@@ -370,16 +377,30 @@ class Translator:
         engine.update(sampling=sampling, bf16=self.precision.uses_bf16, long_inputs=long_inputs,
                       warn=warn, progress=progress,
                       workers=self.workers if workers is None else workers)
+        if constraints is not None:
+            from aiayn.decoding.constraints import encode_constraints
+
+            if alternatives:
+                raise ConfigError("constraints and alternatives cannot be combined: "
+                                  "alternatives expand each line into several searches")
+            engine["constraints"] = encode_constraints(self, constraints, len(text),
+                                                       preprocessed=preprocessed)
         if target_prefix is not None or alternatives:
             from aiayn.decoding.prefix import decode_from_prefix, model_prefixes
 
             if target_prefix is not None:
                 target_prefix = model_prefixes(self, target_prefix, len(text),
                                                preprocessed=preprocessed)
-            return decode_from_prefix(self, text, target_prefix, decode, nbest=nbest,
-                                      alternatives=alternatives, **engine)
-        return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
-                               **engine)
+            out = decode_from_prefix(self, text, target_prefix, decode, nbest=nbest,
+                                     alternatives=alternatives, **engine)
+        else:
+            out = translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
+                                  **engine)
+        if constraints is not None:
+            from aiayn.decoding.constraints import warn_unplaced
+
+            warn_unplaced(engine["constraints"], out, warn)
+        return out
 
     def translate(self, lines: list[str], *, nbest: int = 1, **options: Any
                   ) -> list[str] | list[list[str]]:
@@ -466,6 +487,14 @@ class Translator:
             from aiayn.decoding.prefix import first_parts
 
             options["target_prefix"] = first_parts(prefixes, counts)
+        if options.get("constraints") is not None:  # a split line's go to its first part
+            from aiayn.decoding.constraints import preprocess_constraints, spread_over_parts
+
+            given = options["constraints"]
+            if len(given) == len(lines) and not preprocessed:
+                given = preprocess_constraints(self, given)
+            if len(given) == len(lines):
+                options["constraints"] = spread_over_parts(given, [len(ps) for ps in parts])
         out = self.generate(flat, nbest=nbest, long_inputs="error", preprocessed=True,
                             warn=warn, **options)
         split = [n for n, k in enumerate(counts, 1) if k > 1]

@@ -93,6 +93,8 @@ class TranslateRequest(GuardOptions):
     alternatives: bool = Field(False, description="with nbest K: the K most likely tokens "
                                "after each prefix, each continued by the search (K may exceed "
                                "beam, up to the server's largest beam)")
+    constraints: list[list[str]] | None = Field(
+        None, description="per line, target phrases its translation must hold ([] for none)")
 
 
 class DocumentRequest(GuardOptions):
@@ -235,16 +237,21 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     max_len = min(m.config.max_len for m in translator.models)
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiayn-model")
 
-    def run_batch(items: list[tuple[str, str | None]], key: tuple):
+    def run_batch(items: list[tuple[str, str | None, tuple | None]], key: tuple):
+        # an item: a line (the model's text), its target prefix and its constraints' phrases;
         # key: beam, alpha, nbest, the guards ((field, value), ...: guard_key), alternatives
         beam, alpha, nbest, guards, alternatives = key
-        lines = [line for line, _ in items]
-        prefixes = [prefix for _, prefix in items]
-        prefix = (dict(target_prefix=prefixes, alternatives=alternatives)
-                  if alternatives or any(p is not None for p in prefixes) else {})
+        lines = [line for line, _, _ in items]
+        prefixes = [prefix for _, prefix, _ in items]
+        phrases = [list(p) if p else None for _, _, p in items]
+        options = dict(guards)
+        if alternatives or any(p is not None for p in prefixes):
+            options.update(target_prefix=prefixes, alternatives=alternatives)
+        if any(phrases):
+            options["constraints"] = phrases
         return translator.generate(lines, beam_size=beam, alpha=alpha, nbest=nbest,
                                    batch_size=limits.max_batch_lines, long_inputs="error",
-                                   preprocessed=True, workers=1, **dict(guards), **prefix)
+                                   preprocessed=True, workers=1, **options)
 
     workers = choose_workers(translator.workers, translator.device, limits.max_concurrent)
     pool = None
@@ -374,6 +381,19 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 prefixes = model_prefixes(translator, req.target_prefix, len(req.lines))
             except PrefixError as err:
                 raise HTTPException(422, str(err)) from None
+        phrases = None
+        if req.constraints is not None:
+            from aiayn.decoding.constraints import ConstraintError, check_request
+
+            if req.alternatives:
+                raise HTTPException(422, "constraints and alternatives cannot be combined")
+            for n, given in enumerate(req.constraints, 1):
+                for k, phrase in enumerate(given, 1):
+                    check_chars(phrase, f"constraint {k} of line {n}")
+            try:
+                phrases = check_request(translator, read, req.constraints)
+            except ConstraintError as err:
+                raise HTTPException(422, str(err)) from None
         key = (*search_settings(req.beam, req.alpha, 1 if req.alternatives else req.nbest),
                guard_key(req), req.alternatives)
         if req.alternatives:
@@ -381,7 +401,8 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 raise HTTPException(422, f"nbest {req.nbest} alternatives are more than this "
                                          f"server allows (at most {limits.max_beam})")
             key = (key[0], key[1], req.nbest, key[3], True)
-        results, parts, batch_lines = await decode_in_parts(read, key, prefixes=prefixes)
+        results, parts, batch_lines = await decode_in_parts(read, key, prefixes=prefixes,
+                                                            constraints=phrases)
         return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob,
                                    **quality_json(t)}
                                   for t in line] for line in results],
@@ -389,10 +410,11 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 "parts": parts, "warnings": warnings(req.lines)}
 
     async def decode_in_parts(read: list[str], key, lang: str | None = None,
-                              prefixes: list[str | None] | None = None):
+                              prefixes: list[str | None] | None = None,
+                              constraints: list | None = None):
         """``read`` (the model's text) decoded in the batcher, a line over ``max_len`` in
-        parts (its target prefix, the model's text, on its first part): (translations per
-        line, parts per line, the batch's lines)."""
+        parts (its target prefix and its ``constraints``, the model's text, on its first
+        part): (translations per line, parts per line, the batch's lines)."""
         parts = translator.split_long_lines(read, lang=lang, preprocessed=True)
         counts = [len(ps) for ps in parts]
         if sum(counts) > limits.max_lines:
@@ -406,8 +428,15 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                                shortlist=translator.shortlist)
             except UserError as err:
                 raise HTTPException(422, str(err)) from None
-        try:  # each line travels with its prefix (the batch mixes requests)
-            results, batch_lines = await batcher().submit(list(zip(flat, flat_prefixes)), key)
+        flat_phrases = [None] * len(flat)
+        if constraints is not None:
+            from aiayn.decoding.constraints import spread_over_parts
+
+            flat_phrases = [tuple(ps) if ps else None
+                            for ps in spread_over_parts(constraints, counts)]
+        try:  # each line travels with its prefix and constraints (the batch mixes requests)
+            results, batch_lines = await batcher().submit(
+                list(zip(flat, flat_prefixes, flat_phrases)), key)
         except QueueFullError as err:
             raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from None
         except ShuttingDownError as err:
