@@ -5,7 +5,9 @@ Endpoints:
 
 * ``POST /translate`` ``{"lines": [...], "beam": 4, "alpha": 0.6, "nbest": 1}``: every line's
   translations, best first, with score and log-probability (decoded in batches with other
-  requests, see :mod:`aiayn.serve.batcher`).
+  requests, see :mod:`aiayn.serve.batcher`). With ``"alignments": true``, each also carries
+  ``alignment``: its word alignment to the line, Pharaoh links ``"0-0 1-2"``
+  (:mod:`aiayn.decoding.alignment`).
   With ``"split_long": true``, a line longer than the model's ``max_len`` is translated in
   parts and joined (:meth:`aiayn.Translator.split_long_lines`) instead of answering 413;
   ``parts`` says, per line, how many parts it was translated in (1: it fit).
@@ -59,6 +61,8 @@ class TranslateRequest(BaseModel):
     nbest: int = Field(1, ge=1, description="translations per line, <= beam")
     split_long: bool = Field(False, description="translate a line over the model's max_len "
                                                 "in parts and join them (else 413)")
+    alignments: bool = Field(False, description="each translation's word alignment to its "
+                                                "line, Pharaoh links '0-0 1-2' (source-target)")
 
 
 class DocumentRequest(BaseModel):
@@ -311,15 +315,21 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
             for n, line in enumerate(read, 1):
                 check_tokens(line, f"line {n}", max_len)
         key = search_settings(req.beam, req.alpha, req.nbest)
-        results, parts, batch_lines = await decode_in_parts(read, key)
-        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
+        results, parts, batch_lines = await decode_in_parts(
+            read, key, given=req.lines if req.alignments else None)
+        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob,
+                                   **({"alignment": t.alignment and t.alignment.pharaoh()}
+                                      if req.alignments else {})}
                                   for t in line] for line in results],
                 "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
                 "parts": parts, "warnings": warnings(req.lines)}
 
-    async def decode_in_parts(read: list[str], key, lang: str | None = None):
+    async def decode_in_parts(read: list[str], key, lang: str | None = None,
+                              given: list[str] | None = None):
         """``read`` (the model's text) decoded in the batcher, a line over ``max_len`` in
-        parts: (translations per line, parts per line, the batch's lines)."""
+        parts: (translations per line, parts per line, the batch's lines). With ``given``
+        (the lines as sent), each translation's word alignment is added (on this process's
+        model thread, after the batch)."""
         parts = translator.split_long_lines(read, lang=lang, preprocessed=True)
         counts = [len(ps) for ps in parts]
         if sum(counts) > limits.max_lines:
@@ -331,6 +341,11 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
             raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from None
         except ShuttingDownError as err:
             raise HTTPException(503, str(err)) from None
+        if given is not None:  # a split line's parts are aligned as the model read them
+            flat = [p for ps in parts for p in ps]
+            sent = [given[n] if len(ps) == 1 else p for n, ps in enumerate(parts) for p in ps]
+            results = await asyncio.get_running_loop().run_in_executor(
+                model_thread, translator.with_alignments, sent, flat, results)
         return join_parts(results, counts), counts, batch_lines
 
     @app.post("/document")
