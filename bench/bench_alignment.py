@@ -16,7 +16,8 @@ usual AER setting), and (source, the model's own output), the alignments ``aiayn
 --alignments`` writes. BLEU: sacreBLEU cased on detokenized output (13a), beam search with each
 model's own decode settings.
 
-Run:  python bench/bench_alignment.py --model RUN [--model RUN2 ...] [--sentences N] [--json]
+Run:  python bench/bench_alignment.py --model RUN [--model RUN2 ...] [--sentences N]
+          [--news-sentences N] [--json]
 
 No timing is taken: the figures are counts, AER and BLEU, the same on any machine class.
 """
@@ -80,6 +81,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", action="append", required=True, help="a run or checkpoint")
     p.add_argument("--sentences", type=int, default=0, help="the first N of each set (0: all)")
+    p.add_argument("--news-sentences", type=int, default=0,
+                   help="the first N of newstest2014 (0: as --sentences)")
     p.add_argument("--sets", nargs="+", default=list(sets), choices=list(sets))
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -92,8 +95,10 @@ def main() -> None:
             src_path, ref_path = sets[name]
             src = [s.strip() for s in read_lines(src_path)]
             ref = [s.strip() for s in read_lines(ref_path)]
-            if args.sentences:
-                src, ref = src[:args.sentences], ref[:args.sentences]
+            limit = args.news_sentences if name == "newstest2014" and args.news_sentences \
+                else args.sentences
+            if limit:
+                src, ref = src[:limit], ref[:limit]
             out = tr.generate(src, long_inputs="split", alignments=True)
             hyps = [ts[0].text for ts in out]
             metric = BLEU()
