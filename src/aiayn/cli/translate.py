@@ -286,6 +286,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--glossary", default=None, metavar="FILE",
                    help="'source term<TAB>target term' per line: where a source term occurs "
                         "in a line (whole words), its target term becomes a constraint")
+    p.add_argument("--alignments", action="store_true",
+                   help="word alignments of each translation to its source, in Pharaoh format "
+                        "(source-target word pairs, 0-based: '0-0 1-2'), from one "
+                        "cross-attention layer (aiayn.decoding.alignment): as text "
+                        "'translation ||| 0-0 1-2' (with --nbest, a fourth field); with --json, "
+                        "an 'alignment' key")
 
 
 def _one_line(text: str) -> str:
@@ -306,6 +312,9 @@ def run(args: argparse.Namespace) -> int:
     if args.document and (args.target_prefix or args.alternatives):
         raise UserError("--target-prefix and --alternatives need one sentence a line, not "
                         "--document")
+    if args.document and args.alignments:
+        raise UserError("--alignments needs one sentence a line; --document gives one "
+                        "translated document")
     check_decode_arguments(args)
     choose_device(args.device)
     to_file = args.output not in (None, "-")
@@ -335,6 +344,8 @@ def run(args: argparse.Namespace) -> int:
         options.update(target_prefix=prefixes, alternatives=args.alternatives)
     if constraints is not None:
         options["constraints"] = constraints
+    if args.alignments:
+        options["alignments"] = True
     parts = [1] * len(lines)
     if options["long_inputs"] == "split":
         del options["long_inputs"]
@@ -346,12 +357,13 @@ def run(args: argparse.Namespace) -> int:
     for n, translations in enumerate(results):
         if args.json:
             out.append(json.dumps({"line": n + 1, "parts": parts[n], "translations": [
-                {"text": t.text, "score": t.score, "log_prob": t.log_prob, **quality_json(t)}
-                for t in translations]}, ensure_ascii=False))
+                {"text": t.text, "score": t.score, "log_prob": t.log_prob, **quality_json(t),
+                 **_alignment_field(t, args)} for t in translations]}, ensure_ascii=False))
         elif args.nbest > 1:
-            out.extend(f"{n} ||| {_one_line(t.text)} ||| {t.score:.4f}" for t in translations)
+            out.extend(f"{n} ||| {_one_line(t.text)} ||| {t.score:.4f}" + _links(t, args)
+                       for t in translations)
         else:
-            out.append(_one_line(translations[0].text))
+            out.append(_one_line(translations[0].text) + _links(translations[0], args))
     _write("".join(line + "\n" for line in out).encode("utf-8"), args.output if to_file else None)
     return 0
 
@@ -371,6 +383,18 @@ def read_prefixes(args: argparse.Namespace, lines: int) -> list[str] | None:
                         f"the input {source} has {lines}: give one prefix line per input line "
                         "(an empty line for none)")
     return prefixes
+def _alignment_field(t, args: argparse.Namespace) -> dict:
+    """--json's ``alignment`` key (Pharaoh links) with --alignments; else nothing."""
+    if not args.alignments:
+        return {}
+    return {"alignment": t.alignment.pharaoh() if t.alignment is not None else None}
+
+
+def _links(t, args: argparse.Namespace) -> str:
+    """`` ||| 0-0 1-2`` with --alignments (Marian's text form); else nothing."""
+    if not args.alignments:
+        return ""
+    return " ||| " + (t.alignment.pharaoh() if t.alignment is not None else "")
 
 
 def _translate_document(args: argparse.Namespace, text: str, progress: bool) -> bytes:

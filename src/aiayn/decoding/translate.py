@@ -31,6 +31,7 @@ from aiayn.decoding.search import (
 )
 from aiayn.decoding.guards import guard_processors, max_length_cap
 from aiayn.decoding.quality import LengthRange, assess
+from aiayn.decoding.alignment import Alignment
 from aiayn.decoding.shortlist import ShortlistStep
 from aiayn.config import DecodeConfig
 from aiayn.errors import ConfigError, UserError
@@ -52,6 +53,9 @@ class Translation:
             ``no_eos``, defined in :mod:`aiayn.decoding.quality`); empty: none.
         unchecked: the flags that could not be evaluated (``length_ratio`` without a
             validation range).
+        alignment: its word alignment to the source
+            (:class:`~aiayn.decoding.alignment.Alignment`: Pharaoh links, soft matrix, words),
+            when asked for (:meth:`aiayn.Translator.generate` ``alignments=True``), else None.
     """
 
     text: str
@@ -61,6 +65,7 @@ class Translation:
     confidence: float = 0.0
     flags: tuple[str, ...] = ()
     unchecked: tuple[str, ...] = ()
+    alignment: Alignment | None = None
 
 
 class InputTooLongError(UserError):
