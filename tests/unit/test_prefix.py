@@ -214,3 +214,27 @@ def test_server_keeps_each_lines_prefix_with_it(checkpoint):
         assert alts.status_code == 200, alts.text
         texts = [t["text"] for t in alts.json()["translations"][0]]
         assert len(texts) == 3 and all(t.startswith("Zwei") for t in texts)
+
+
+
+def test_a_prefix_wins_over_a_guard_that_bans_its_tokens(trained):
+    """A prefix that says a token twice, decoded under no_repeat_ngram_size=1 (no token
+    twice): the guard bans the second one, the prefix still forces it (at log-probability 0),
+    and each output begins with the prefix's tokens, with a finite score."""
+    model, vocab, sources, _ = trained
+    translator = Translator(model, vocab, precision="fp32")
+    word = vocab.decode(vocab.encode(read_lines_first_word(sources)))
+    prefixes = [f"{word} {word}"] * 2
+    for beam_size in (1, 4):
+        got = translator.generate(sources[:2], target_prefix=prefixes, beam_size=beam_size,
+                                  no_repeat_ngram_size=1, **OPTIONS)
+        ids = vocab.encode(prefixes[0])
+        for out in got:
+            assert out[0].tokens[: len(ids)] == ids
+            assert out[0].log_prob > NEG_INF
+
+
+def read_lines_first_word(sources):
+    """A word the model's vocabulary holds as one token: the first word of the first source
+    that does."""
+    return next(w for s in sources for w in s.split())

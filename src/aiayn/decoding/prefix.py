@@ -65,7 +65,8 @@ class PrefixError(UserError):
 class ForcePrefix:
     """The :class:`~aiayn.decoding.search.ScoreProcessor` that forces each sentence's prefix:
     at step t, a row of a sentence whose prefix is longer than t keeps only the prefix's token
-    t, at the log-probability the earlier rules left it; the other columns get -inf.
+    t, at the log-probability the earlier rules left it (0 where one of them banned it: the
+    prefix wins over a guard); the other columns get -inf.
 
     Args:
         prefixes: per sentence of the search (index ``SearchState.rows``), its token ids, or
@@ -90,6 +91,10 @@ class ForcePrefix:
             return logp
         column = token_columns(token[rows], state.token_ids)
         kept = logp[rows, column]
+        # a prefix token an earlier rule banned (a guard: the prefix repeats an n-gram) is
+        # still forced, at log-probability 0, as a forced EOS is with free_forced_eos: the row
+        # keeps a finite score and the prefix wins over the guard (CTranslate2's order too)
+        kept = torch.where(kept == NEG_INF, torch.zeros_like(kept), kept)
         logp[rows] = NEG_INF
         logp[rows, column] = kept
         return logp
