@@ -9,6 +9,9 @@ Endpoints:
   With ``"split_long": true``, a line longer than the model's ``max_len`` is translated in
   parts and joined (:meth:`aiayn.Translator.split_long_lines`) instead of answering 413;
   ``parts`` says, per line, how many parts it was translated in (1: it fit).
+  With ``"constraints": [["phrase", ...], [], ...]`` (one list per line), each line's
+  translation holds its target phrases (:mod:`aiayn.decoding.constraints`); bad or
+  impossible constraints answer 422 naming the line.
 * ``POST /document`` ``{"text": "...", "lang": "en", "beam": 4, "alpha": 0.6}``: plain text
   with paragraphs, cut into sentences (:mod:`aiayn.data.segment`), decoded as one batch
   (an over-long sentence in parts) and put back with its line breaks, blank lines and
