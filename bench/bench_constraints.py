@@ -140,6 +140,24 @@ def trained(translator, src, ref, sets, args) -> dict:
 
     from aiayn.decoding import DecodeStats
 
+    from aiayn.decoding.constraints import producible_tokens
+    from aiayn.model.engine import as_engine
+
+    # a phrase with a token the model never produces (its target-only output layer leaves
+    # it out) cannot be placed by any search: counted, and left out
+    can = producible_tokens([as_engine(m) for m in translator.decoding_models])
+    can = None if can is None else set(can.tolist())
+    unplaceable = {}
+    for k, cons in list(sets.items()):
+        if cons is None or can is None:
+            continue
+        kept, dropped = [], 0
+        for c in cons:
+            ok = [x for x in (c or []) if set(translator.vocab.encode(
+                translator.preprocess([x], "tgt")[0])) <= can]
+            dropped += len(c or []) - len(ok)
+            kept.append(ok or None)
+        sets[k], unplaceable[k] = kept, dropped
     opts = dict(beam_size=args.beam, batch_size=args.batch_size, workers=1)
     translator.generate(src[:16], **opts)  # warm-up (kernels, int8 copies)
     runs: dict[int, dict] = {}
@@ -166,6 +184,7 @@ def trained(translator, src, ref, sets, args) -> dict:
                     n_placed += sum(got)
         rows.append({
             "constraints_per_sentence": k, "phrases": n_phr, "placed": n_placed,
+            "left_out_unproducible": unplaceable.get(k, 0),
             "bleu": round(scores["bleu"], 2), "signature": scores["bleu_signature"],
             "sent_per_s": round(len(src) / runs[k]["wall_s"], 1),
             "sent_per_cpu_s": round(len(src) / runs[k]["cpu_s"], 1),

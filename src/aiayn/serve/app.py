@@ -14,6 +14,9 @@ Endpoints:
   ``"target_prefix": [...]`` (one per line, null for none) makes each translation begin with
   its text, and ``"alternatives": true`` with ``nbest`` K gives the K best continuations after
   it (:mod:`aiayn.decoding.prefix`); a prefix that cannot be forced answers 422.
+  With ``"constraints": [["phrase", ...], [], ...]`` (one list per line), each line's
+  translation holds its target phrases (:mod:`aiayn.decoding.constraints`); bad or
+  impossible constraints answer 422 naming the line.
 * ``POST /document`` ``{"text": "...", "lang": "en", "beam": 4, "alpha": 0.6}``: plain text
   with paragraphs, cut into sentences (:mod:`aiayn.data.segment`), decoded as one batch
   (an over-long sentence in parts) and put back with its line breaks, blank lines and
