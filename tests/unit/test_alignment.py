@@ -84,8 +84,8 @@ def test_pharaoh_format_and_joined_parts():
 
 def test_the_layer_read_is_stated_and_checked():
     cfg = load_config("tiny")
-    assert alignment_head(cfg) == (cfg.model.N - 2 if cfg.model.N > 1 else 0, None)
-    assert alignment_head(cfg, -1) == (cfg.model.N - 1, None)
+    assert alignment_head(cfg) == (cfg.model.N - 1, None)  # the last layer, as fairseq
+    assert alignment_head(cfg, -2) == (cfg.model.N - 2, None)
     with pytest.raises(ValueError, match="not a decoder layer"):
         alignment_head(cfg, cfg.model.N)
     guided = cfg.replace(train=dataclasses.replace(cfg.train, guided_alignment_weight=0.05,
