@@ -119,6 +119,10 @@ def main() -> None:
                 value, size = aer(forced, [gold_ref[n] for n in keep])
                 key = "default" if layer is None else f"layer{layer}"
                 row[f"aer_reference_{key}"], row["gold_reference"] = round(value, 4), size
+                if layer is not None:
+                    again = tr.with_alignments(src, src, out, layer=layer)
+                    row[f"aer_output_{key}"] = round(aer([ts[0].alignment for ts in again],
+                                                         gold_hyp)[0], 4)
             row["aer_output"] = round(row["aer_output"], 4)
             rows.append(row)
             if not args.json:

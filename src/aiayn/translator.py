@@ -630,7 +630,7 @@ class Translator:
             sources, targets: N sentences each, raw (or the model's text with
                 ``preprocessed``); their whitespace words are the words aligned.
             layer: the decoder layer to read (default: the guided layer and head of a model
-                trained with guided alignment, else the penultimate layer's mean over heads).
+                trained with guided alignment, else the last layer's mean over heads).
             batch_size: pairs per forward pass (default: ``decode_config.batch_size``).
 
         Returns:

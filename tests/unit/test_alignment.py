@@ -84,8 +84,8 @@ def test_pharaoh_format_and_joined_parts():
 
 def test_the_layer_read_is_stated_and_checked():
     cfg = load_config("tiny")
-    assert alignment_head(cfg) == (cfg.model.N - 2 if cfg.model.N > 1 else 0, None)
-    assert alignment_head(cfg, -1) == (cfg.model.N - 1, None)
+    assert alignment_head(cfg) == (cfg.model.N - 1, None)  # the last layer, as fairseq
+    assert alignment_head(cfg, -2) == (cfg.model.N - 2, None)
     with pytest.raises(ValueError, match="not a decoder layer"):
         alignment_head(cfg, cfg.model.N)
     guided = cfg.replace(train=dataclasses.replace(cfg.train, guided_alignment_weight=0.05,
@@ -255,3 +255,15 @@ def test_config_round_trips_the_guided_fields():
     cfg = Config().with_overrides(["train.guided_alignment_weight=0.05",
                                    "train.guided_alignment_head=2"])
     assert Config.from_dict(json.loads(cfg.to_json())).train == cfg.train
+
+
+def test_a_line_translated_in_parts_gets_its_parts_alignments_joined(checkpoint):
+    model, config, vocab = load_checkpoint(checkpoint)
+    translator = Translator(model, vocab, config=config)
+    line = " ".join(["Two dogs play in the snow."] * 12)  # over max_len = 48 tokens
+    result = translator.generate_text([line], alignments=True)
+    assert result.parts[0] > 1
+    t = result.translations[0][0]
+    assert t.alignment.source_words == tuple(line.split())
+    assert t.alignment.target_words == tuple(t.text.split())
+    check_links(t.alignment.pharaoh(), line, t.text)
