@@ -295,7 +295,8 @@ class Translator:
                  beam_rules: str | None = None, nbest: int = 1, sampling=None,
                  long_inputs: str = "truncate", preprocessed: bool = False,
                  progress: bool = False, warn: Callable[[str], None] | None = None,
-                 workers: int | str | None = None, **engine: Any) -> list[list[Any]]:
+                 workers: int | str | None = None, markup=False,
+                 **engine: Any) -> list[list[Any]]:
         """Translate ``lines``: for each, up to ``nbest``
         :class:`~aiayn.decoding.Translation` objects (text, score, log_prob, tokens), best
         first. An empty line gives one empty translation.
@@ -312,6 +313,11 @@ class Translator:
                 applied), as the training corpus is.
             workers: decode in this many processes (default :attr:`workers`; see
                 :class:`Translator`).
+            markup: True or a :class:`~aiayn.data.markup.MarkupConfig`: each line's inline
+                tags and placeholders are taken out, the plain text translated, and they are
+                put back at the aligned target words, well-formed (:mod:`aiayn.data.markup`);
+                each translation's ``text`` holds them, its ``tokens`` are the plain text's.
+                Unbalanced tags: one warning naming the lines (or an error, as configured).
             engine: passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
                 ``min_len``: benchmarks; ``shortlist``: default :attr:`shortlist`).
 
@@ -321,6 +327,14 @@ class Translator:
         """
         from aiayn.decoding import translate_nbest
 
+        if markup:  # tags and placeholders out, the plain text translated, put back
+            from aiayn.data.markup import generate_marked
+
+            return generate_marked(
+                self.generate, lines, markup, warn=warn or self.warn, beam_size=beam_size,
+                alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, batch_size=batch_size,
+                beam_rules=beam_rules, nbest=nbest, sampling=sampling, long_inputs=long_inputs,
+                preprocessed=preprocessed, progress=progress, workers=workers, **engine)
         if long_inputs == "split":  # cut and joined around the search (generate_text)
             return self.generate_text(
                 lines, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
@@ -395,7 +409,8 @@ class Translator:
 
         Args:
             lang: the source language for the sentence splitter (default ``data.src_lang``).
-            options: as :meth:`generate` (``long_inputs`` excepted).
+            options: as :meth:`generate` (``long_inputs`` excepted); ``markup`` is applied
+                to the whole line, before it is cut.
 
         Returns:
             A :class:`TextTranslations`: per line, up to ``nbest`` translations, and its count
@@ -405,6 +420,12 @@ class Translator:
             aiayn.errors.ConfigError: bad settings (naming them).
         """
         warn = warn or self.warn
+        if options.get("markup"):  # taken out before the lines are cut, put back after
+            from aiayn.data.markup import generate_marked
+
+            return generate_marked(self.generate_text, lines, options.pop("markup"), warn=warn,
+                                   lang=lang, nbest=nbest, preprocessed=preprocessed, **options)
+        options.pop("markup", None)
         lines = list(lines)
         if not preprocessed:
             lines = self.preprocess(lines, warn=warn)  # warned about once, here

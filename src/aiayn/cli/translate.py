@@ -242,6 +242,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the source language for cutting sentences (ISO 639, e.g. en; "
                         "default: the model's data.src_lang)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--markup", action="store_true",
+                   help="carry inline tags (<b>...</b>, <br/>) and placeholders ({name}, %%s, "
+                        "%%d, URLs, e-mail addresses, numbers) through translation: taken out, "
+                        "put back at the aligned words, well-formed; unbalanced tags are kept "
+                        "as written, with a note on stderr")
+    p.add_argument("--placeholder", action="append", default=None, metavar="REGEX",
+                   help="with --markup: also keep text matching this Python regular "
+                        "expression as it is (repeatable); 'none': not the default patterns")
 
 
 def _one_line(text: str) -> str:
@@ -259,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nbest {args.nbest} needs one sentence a line; --document gives "
                         "one translated document")
     check_decode_arguments(args)
+    markup = markup_settings(args)
     choose_device(args.device)
     to_file = args.output not in (None, "-")
     if to_file:  # before the whole input is decoded, not after
@@ -271,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
     lines = read_input(args.input)
     translator = load_translator(args, "translate")
     options = decode_options(args, nbest=args.nbest)
+    if markup is not None:
+        options["markup"] = markup
     parts = [1] * len(lines)
     if options["long_inputs"] == "split":
         del options["long_inputs"]
@@ -290,6 +301,29 @@ def run(args: argparse.Namespace) -> int:
             out.append(_one_line(translations[0].text))
     _write("".join(line + "\n" for line in out).encode("utf-8"), args.output if to_file else None)
     return 0
+
+
+def markup_settings(args: argparse.Namespace):
+    """The :class:`~aiayn.data.markup.MarkupConfig` of ``--markup`` and ``--placeholder``
+    (None without ``--markup``).
+
+    Raises:
+        ConfigError: a bad pattern, ``--placeholder`` without ``--markup``, or ``--markup``
+            with ``--document``.
+    """
+    from aiayn.data.markup import DEFAULT_PLACEHOLDERS, MarkupConfig, Placeholder
+    from aiayn.errors import ConfigError
+
+    given = args.placeholder or []
+    if not args.markup:
+        if given:
+            raise ConfigError("--placeholder needs --markup")
+        return None
+    if args.document:
+        raise ConfigError("--markup reads one sentence a line; it does not go with --document")
+    defaults = () if "none" in given else DEFAULT_PLACEHOLDERS
+    return MarkupConfig(placeholders=(*defaults, *(Placeholder(p, "--placeholder")
+                                                   for p in given if p != "none")))
 
 
 def _translate_document(args: argparse.Namespace, text: str, progress: bool) -> bytes:

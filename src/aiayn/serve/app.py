@@ -9,6 +9,9 @@ Endpoints:
   With ``"split_long": true``, a line longer than the model's ``max_len`` is translated in
   parts and joined (:meth:`aiayn.Translator.split_long_lines`) instead of answering 413;
   ``parts`` says, per line, how many parts it was translated in (1: it fit).
+  With ``"markup": true``, inline tags and placeholders are taken out before translation and
+  put back at the aligned words, well-formed (:mod:`aiayn.data.markup`); unbalanced tags
+  are carried as written, with a warning.
 * ``POST /document`` ``{"text": "...", "lang": "en", "beam": 4, "alpha": 0.6}``: plain text
   with paragraphs, cut into sentences (:mod:`aiayn.data.segment`), decoded as one batch
   (an over-long sentence in parts) and put back with its line breaks, blank lines and
@@ -59,6 +62,8 @@ class TranslateRequest(BaseModel):
     nbest: int = Field(1, ge=1, description="translations per line, <= beam")
     split_long: bool = Field(False, description="translate a line over the model's max_len "
                                                 "in parts and join them (else 413)")
+    markup: bool = Field(False, description="carry inline tags and placeholders through "
+                                            "translation (aiayn.data.markup)")
 
 
 class DocumentRequest(BaseModel):
@@ -183,6 +188,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     The batcher starts and stops with the app's lifespan (stopping finishes every queued
     request first, then ends the processes).
     """
+    from aiayn.data.markup import parse_lines, restore_translations
     from aiayn.data.segment import segment
     from aiayn.data.text import tokenized_input_warning
     from aiayn.translator import join_parts
@@ -306,16 +312,21 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 raise HTTPException(422, f"line {n} contains a line break: send one sentence "
                                          "per item of lines")
             check_chars(line, f"line {n}")
-        read = translator.preprocess(req.lines)  # preprocessed once, checked and decoded
+        marked, notes = None, []
+        if req.markup:  # tags and placeholders out; put back below
+            marked = parse_lines(req.lines, warn=notes.append)
+        read = translator.preprocess(req.lines if marked is None else [m.plain for m in marked])
         if not req.split_long:
             for n, line in enumerate(read, 1):
                 check_tokens(line, f"line {n}", max_len)
         key = search_settings(req.beam, req.alpha, req.nbest)
         results, parts, batch_lines = await decode_in_parts(read, key)
+        if marked is not None:
+            results = restore_translations(marked, results)
         return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
                                   for t in line] for line in results],
                 "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
-                "parts": parts, "warnings": warnings(req.lines)}
+                "parts": parts, "warnings": warnings(req.lines) + notes}
 
     async def decode_in_parts(read: list[str], key, lang: str | None = None):
         """``read`` (the model's text) decoded in the batcher, a line over ``max_len`` in
