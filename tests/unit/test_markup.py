@@ -226,3 +226,75 @@ def test_unbalanced_tags_are_carried_as_written_with_one_warning(line, problem):
 def test_unbalanced_tags_can_be_refused():
     with pytest.raises(MarkupError, match=r"^line 2: tag <b> at character 1 is never closed"):
         parse_lines(["ok", "<b>x"], MarkupConfig(malformed="error"))
+
+
+# --- the faces, on a small trained model -----------------------------------------------------
+
+LINES = ["A <b>man</b> in a <i>red</i> shirt rides a bike.<br/>",
+         "Two dogs play in the snow.",
+         "<p>A <b>dog</b> runs <i>on <u>the</u> beach</i>.</p>",
+         "A man <b>rides a bike."]
+FAST = dict(beam_size=2, max_len_a=1.0, max_len_b=4)
+
+
+@pytest.fixture(scope="module")
+def small(data_dir):
+    """A 2+2-layer model trained for 150 steps on 600 Multi30k pairs (tests/small_models.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from small_models import train_small
+
+    from aiayn import Translator
+
+    model, vocab = train_small(data_dir)
+    return Translator(model, vocab)
+
+
+def stripped(text: str) -> str:
+    return " ".join(re.sub(r"<[^>]*>", "", text).split())
+
+
+def test_translator_carries_tags_and_warns_about_the_unbalanced_line(small):
+    said: list[str] = []
+    out = small.translate(LINES, markup=True, warn=said.append, **FAST)
+    plain = small.translate([parse(line).plain for line in LINES], **FAST)
+    for source, marked, text in zip(LINES, out, plain):
+        assert sorted(tags_of(marked)) == sorted(tags_of(source))
+        assert stripped(marked) == " ".join(text.split())  # the same words, in order
+    assert all(well_formed(t) for t in out[:3])
+    assert out[1] == plain[1]  # no markup: as without the option
+    assert len(said) == 1 and "line 4: tag <b> at character 7 is never closed" in said[0]
+    with pytest.raises(MarkupError, match="^line 4: "):
+        small.translate(LINES, markup=MarkupConfig(malformed="error"), **FAST)
+
+
+def test_cli_and_server_give_the_api_answer(small, tmp_path, capsys):
+    from fastapi.testclient import TestClient
+
+    from aiayn.checkpoint import save_checkpoint
+    from aiayn.cli import main
+    from aiayn.serve import create_app
+
+    want = small.translate(LINES[:3], markup=True, **FAST)
+    path = tmp_path / "ckpt"
+    save_checkpoint(path, small.models[0], small.config, small.vocab)
+    src, dst = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("\n".join(LINES[:3]) + "\n", encoding="utf-8")
+    options = ["--beam", "2", "--max-len-a", "1.0", "--max-len-b", "4", "--workers", "1"]
+    rc = main(["translate", "--checkpoint", str(path), "-i", str(src), "-o", str(dst),
+               "--quiet", "--markup", *options])
+    assert rc == 0 and dst.read_text(encoding="utf-8").splitlines() == want
+    rc = main(["translate", "--checkpoint", str(path), "-i", str(src), "--markup",
+               "--placeholder", "(", *options])
+    assert rc == 2 and "'(': not a regular expression" in capsys.readouterr().err
+    rc = main(["translate", "--checkpoint", str(path), "-i", str(src), "--placeholder", "x"])
+    assert rc == 2 and "--placeholder needs --markup" in capsys.readouterr().err
+    with TestClient(create_app(small)) as client:
+        r = client.post("/translate", json={"lines": LINES, "markup": True, "beam": 2})
+        assert r.status_code == 200, r.text
+        data = r.json()
+    got = [ts[0]["text"] for ts in data["translations"]]
+    assert got[:3] == small.translate(LINES[:3], markup=True, beam_size=2)
+    assert len(data["warnings"]) == 1 and "line 4" in data["warnings"][0]
