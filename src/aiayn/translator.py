@@ -295,7 +295,7 @@ class Translator:
                  beam_rules: str | None = None, nbest: int = 1, sampling=None,
                  long_inputs: str = "truncate", preprocessed: bool = False,
                  progress: bool = False, warn: Callable[[str], None] | None = None,
-                 workers: int | str | None = None, markup=False,
+                 workers: int | str | None = None, markup=False, constraints=None,
                  **engine: Any) -> list[list[Any]]:
         """Translate ``lines``: for each, up to ``nbest``
         :class:`~aiayn.decoding.Translation` objects (text, score, log_prob, tokens), best
@@ -318,6 +318,12 @@ class Translator:
                 put back at the aligned target words, well-formed (:mod:`aiayn.data.markup`);
                 each translation's ``text`` holds them, its ``tokens`` are the plain text's.
                 Unbalanced tags: one warning naming the lines (or an error, as configured).
+            constraints: per line, target phrases (text, read as the model's target side;
+                None or [] for none) its translation must hold: terminology constraints
+                placed by dynamic beam allocation (:mod:`aiayn.decoding.constraints`); lines
+                without any decode exactly as without the option. A line whose phrases do not
+                all fit in its maximum output is refused; one whose search runs out of length
+                before placing them all is warned about.
             engine: passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
                 ``min_len``: benchmarks; ``shortlist``: default :attr:`shortlist`).
 
@@ -340,12 +346,24 @@ class Translator:
                 lines, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                 max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules, nbest=nbest,
                 sampling=sampling, preprocessed=preprocessed, progress=progress, warn=warn,
-                workers=workers, **engine).translations
+                workers=workers, constraints=constraints, **engine).translations
         warn = warn or self.warn
         decode = self.decode_settings(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                              max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
         text = list(lines) if preprocessed else self.preprocess(lines, warn=warn)
         engine.setdefault("shortlist", self.shortlist)
+        if constraints is not None:
+            from aiayn.decoding.constraints import encode_constraints, warn_unplaced
+
+            engine["constraints"] = encode_constraints(self, constraints, len(text),
+                                                       preprocessed=preprocessed)
+            out = translate_nbest(
+                self.decoding_models, self.vocab, text, decode, nbest=nbest, sampling=sampling,
+                bf16=self.precision.uses_bf16, long_inputs=long_inputs, warn=warn,
+                progress=progress, workers=self.workers if workers is None else workers,
+                **engine)
+            warn_unplaced(engine["constraints"], out, warn)
+            return out
         return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
                                sampling=sampling, bf16=self.precision.uses_bf16,
                                long_inputs=long_inputs, warn=warn, progress=progress,
@@ -431,6 +449,14 @@ class Translator:
             lines = self.preprocess(lines, warn=warn)  # warned about once, here
         parts = self.split_long_lines(lines, lang=lang, preprocessed=True)
         flat = [p for ps in parts for p in ps]
+        if options.get("constraints") is not None:  # a split line's go to its first part
+            from aiayn.decoding.constraints import preprocess_constraints, spread_over_parts
+
+            given = options["constraints"]
+            if len(given) == len(lines) and not preprocessed:
+                given = preprocess_constraints(self, given)
+            if len(given) == len(lines):
+                options["constraints"] = spread_over_parts(given, [len(ps) for ps in parts])
         out = self.generate(flat, nbest=nbest, long_inputs="error", preprocessed=True,
                             warn=warn, **options)
         counts = [len(ps) for ps in parts]

@@ -413,6 +413,19 @@ CASES = [
       "{ws}/nosuch.vmap"),
     C("translate", "--shortlist a file that is no vmap",
       TR + " --shortlist {ws}/folder/notes.txt", "{ws}/folder/notes.txt:1"),
+    # --- translate: terminology constraints (issue 83) ------------------------------------
+    C("translate", "--constraints of another line count", TR + " --constraints {ws}/three.txt",
+      "{ws}/three.txt", "3 lines"),
+    C("translate", "--constraints JSON Lines with bad JSON",
+      TR + " --constraints {ws}/cons.jsonl", "{ws}/cons.jsonl", "line 2"),
+    C("translate", "--constraints longer than the maximum output",
+      TR + " --constraints {ws}/conslong.tsv", "line 1", "constraints need"),
+    C("translate", "--constraints a missing file", TR + " --constraints {ws}/nosuch.tsv",
+      "{ws}/nosuch.tsv"),
+    C("translate", "--glossary a line without a tab", TR + " --glossary {ws}/pairs.tsv",
+      "{ws}/pairs.tsv", "line 2"),
+    C("translate", "--constraints with --document",
+      TR + " --document --constraints {ws}/three.txt", "--document"),
     # --- experiment --------------------------------------------------------------------------
     C("experiment", "table3 with zero minutes per row", "experiment table3 --minutes-per-row 0 "
       "--out {ws}/t3", "0"),
@@ -458,6 +471,8 @@ def ws(trained_run: Path, tmp_path_factory) -> Path:
     w("broken.gz", gzip.compress(b"a b c\n" * 100)[:30])
     w("pairs.tsv", "a b\tc d\nno tab here\n")
     w("long.txt", " ".join(["a"] * 200) + "\n")
+    w("cons.jsonl", '{"constraints": ["a"]}\n{oops\n')
+    w("conslong.tsv", " ".join(["a"] * 200) + "\n\n")
     w("bad.json", '{"model": {"N": 2,')
     w("list.json", "[1, 2]")
     w("number.json", "42")

@@ -250,6 +250,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placeholder", action="append", default=None, metavar="REGEX",
                    help="with --markup: also keep text matching this Python regular "
                         "expression as it is (repeatable); 'none': not the default patterns")
+    p.add_argument("--constraints", default=None, metavar="FILE",
+                   help="terminology constraints, line-aligned with the input: target phrases "
+                        "separated by tabs (an empty line for none), or JSON Lines "
+                        '{"constraints": ["phrase", ...]}; each translation holds its '
+                        "line's phrases (dynamic beam allocation; lines without any decode "
+                        "as before)")
+    p.add_argument("--glossary", default=None, metavar="FILE",
+                   help="'source term<TAB>target term' per line: where a source term occurs "
+                        "in a line (whole words), its target term becomes a constraint")
 
 
 def _one_line(text: str) -> str:
@@ -273,15 +282,28 @@ def run(args: argparse.Namespace) -> int:
     if to_file:  # before the whole input is decoded, not after
         check_output_file(args.output)
     progress = args.output is not None and not args.quiet
+    if args.document and (args.constraints or args.glossary):
+        raise UserError("--constraints and --glossary need one sentence a line; --document "
+                        "cuts paragraphs into sentences itself")
     if args.document:
         data = _translate_document(args, read_document(args.input), progress)
         _write(data, args.output if to_file else None)
         return 0
     lines = read_input(args.input)
+    constraints = None
+    if args.constraints or args.glossary:  # read before the model loads
+        from aiayn.decoding import constraints as c
+
+        constraints = c.merge_constraints(
+            c.read_constraints(args.constraints, len(lines)) if args.constraints else None,
+            c.glossary_constraints(c.read_glossary(args.glossary), lines) if args.glossary
+            else None)
     translator = load_translator(args, "translate")
     options = decode_options(args, nbest=args.nbest)
     if markup is not None:
         options["markup"] = markup
+    if constraints is not None:
+        options["constraints"] = constraints
     parts = [1] * len(lines)
     if options["long_inputs"] == "split":
         del options["long_inputs"]

@@ -104,6 +104,7 @@ def translate_nbest(
     workers: int | str = 1,
     shortlist=None,
     processors: Callable[[list[int]], Sequence[ScoreProcessor]] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]] | None] | None = None,
 ) -> list[list[Translation]]:
     """Translate ``lines`` of the model's own text; for each, up to ``nbest`` translations,
     best first. The engine under :class:`aiayn.Translator`, which owns the raw-text contract
@@ -140,11 +141,18 @@ def translate_nbest(
             batch's order) and returning :class:`~aiayn.decoding.search.ScoreProcessor`s,
             which find a row's line as ``chunk[state.rows[i]]``. Called in the process that
             decodes the batch (a forked worker sees the closure, unpickled).
+        constraints: per line, target phrases (token id lists) its translation must hold, or
+            None: such lines are decoded in their own batches by
+            :func:`~aiayn.decoding.constraints.constrained_beam_search` (beam 1: one
+            hypothesis per bank), the others exactly as without constraints.
 
     Raises:
         InputTooLongError: a long line with ``long_inputs="error"``.
         aiayn.errors.ConfigError: an ``nbest`` the search cannot give (a ``ValueError``).
         ValueError: bad search settings; an ensemble :func:`check_ensemble` refuses.
+        aiayn.decoding.constraints.ConstraintError: constraints for another number of lines,
+            longer than a line's maximum output, with tokens the model never produces, or
+            with sampling.
         RuntimeError: a worker process failed (its traceback in the message).
     """
     if nbest > 1 and (decode.beam_size == 1 or sampling is not None):
@@ -162,7 +170,7 @@ def translate_nbest(
         return _translate([as_engine(m) for m in models], vocab, lines, decode, nbest, sampling,
                           bf16, use_cache,
                           min_len, long_inputs, warn, progress, stats, workers, shortlist,
-                          processors)
+                          processors, constraints)
     finally:
         for m, mode in zip(models, was_training):
             m.train(mode)
@@ -191,7 +199,8 @@ def check_ensemble(models: list) -> None:
 
 
 def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, min_len,
-               long_inputs, warn, progress, stats, workers, shortlist, processors):
+               long_inputs, warn, progress, stats, workers, shortlist, processors,
+               constraints=None):
     from aiayn.decoding.workers import choose_workers, run_in_workers
 
     batch_size = decode.batch_size
@@ -200,7 +209,12 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
     sources = encode_sources(vocab, lines, max_len, long_inputs=long_inputs, warn=warn)
     results: list[list[Translation]] = [[Translation("", 0.0, 0.0, [])] for _ in lines]
     todo = sorted((i for i, s in enumerate(sources) if len(s) > 1), key=lambda i: -len(sources[i]))
+    constrained: list[list[int]] = []
+    if constraints is not None:  # constrained lines in batches of their own
+        todo, constrained = _constrained_lines(models, vocab, sources, constraints, decode,
+                                               max_len, sampling, todo)
     chunks = [todo[start : start + batch_size] for start in range(0, len(todo), batch_size)]
+    chunks += constrained
     workers = choose_workers(workers, device, len(chunks), sampling=sampling is not None)
     bar = None
     if progress:
@@ -217,6 +231,9 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
 
     def decode_chunk(chunk: list[int]) -> list[list[Translation]]:
         src = pad_sources([sources[i] for i in chunk]).to(device)  # (B, S)
+        wanted = None if constraints is None else [constraints[i] for i in chunk]
+        if wanted is not None and not wanted[0]:
+            wanted = None
         with torch.inference_mode(), autocast:
             encoded = [model.encode(src) for model in models]  # (memory, src_mask) each
             src_lengths = encoded[0][1].sum(dim=1) - 1  # without EOS
@@ -225,7 +242,7 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
             if shortlist is not None:
                 steps = _shortlist_steps(models, encoded, shortlist,
                                          [sources[i] for i in chunk], ids[0] if compact
-                                         else None, int(max_lens.max()) + 1)
+                                         else None, int(max_lens.max()) + 1, wanted)
             elif use_cache:  # the start token plus at most max_lens tokens
                 steps = [CachedStep.start(model, memory, src_mask, int(max_lens.max()) + 1,
                                           compact)
@@ -235,7 +252,15 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
                          for model, (memory, src_mask) in zip(models, encoded)]
             step = steps[0] if len(steps) == 1 else EnsembleStep(steps)
             rules = tuple(processors(list(chunk))) if processors is not None else ()
-            if sampling is not None or decode.beam_size == 1:
+            if wanted is not None:
+                from aiayn.decoding.constraints import constrained_beam_search, search_beam_size
+
+                hyps = constrained_beam_search(
+                    step, max_lens, wanted, beam_size=search_beam_size(decode.beam_size,
+                                                                       wanted[0]),
+                    alpha=decode.alpha, nbest=nbest, min_len=min_len, rules=decode.beam_rules,
+                    stats=stats, processors=rules)
+            elif sampling is not None or decode.beam_size == 1:
                 hyps = [[h] for h in greedy_search(step, max_lens, min_len=min_len,
                                                    sampling=sampling, stats=stats,
                                                    processors=rules)]
@@ -271,10 +296,15 @@ def _translate(models, vocab, lines, decode, nbest, sampling, bf16, use_cache, m
     return results
 
 
-def _shortlist_steps(models, encoded, shortlist, sources, producible, capacity):
+def _shortlist_steps(models, encoded, shortlist, sources, producible, capacity, wanted=None):
     """One :class:`ShortlistStep` per model: the output layer over the batch's union of
-    lists (less the tokens the models cannot produce), each row held to its own list."""
+    lists (less the tokens the models cannot produce), each row held to its own list (and
+    its constraints' tokens, ``wanted``)."""
     ids, allowed = shortlist.candidates(sources, EOS_ID + 1, models[0].config.target_vocab_size)
+    if wanted is not None:
+        from aiayn.decoding.constraints import allow_tokens
+
+        ids, allowed = allow_tokens(ids, allowed, [[t for p in ps for t in p] for ps in wanted])
     if producible is not None:  # a target-only output layer: its -inf columns stay out
         keep = torch.isin(ids, producible.cpu())
         ids, allowed = ids[keep], allowed[:, keep]
@@ -284,6 +314,27 @@ def _shortlist_steps(models, encoded, shortlist, sources, producible, capacity):
     return [ShortlistStep(CachedStep.start(model, memory, src_mask, capacity, token_ids=ids),
                           banned)
             for model, (memory, src_mask) in zip(models, encoded)]
+
+
+def _constrained_lines(models, vocab, sources, constraints, decode, max_len, sampling, todo):
+    """(the unconstrained lines of ``todo``, batches of the constrained ones), once the
+    constraints are checked (:func:`~aiayn.decoding.constraints.check_constraints`)."""
+    from aiayn.decoding.constraints import (
+        ConstraintError,
+        check_constraints,
+        constrained_chunks,
+        producible_tokens,
+    )
+
+    if len(constraints) != len(sources):
+        raise ConstraintError(f"constraints are given for {len(constraints)} lines but there "
+                              f"are {len(sources)} input lines")
+    if sampling is not None and any(constraints):
+        raise ConstraintError("constraints need a search (beam or greedy), not sampling")
+    lens = max_output_lengths(torch.tensor([len(s) - 1 for s in sources], dtype=torch.long),
+                              decode.max_len_a, decode.max_len_b, max_len).tolist()
+    check_constraints(vocab, constraints, sources, lens, producible_tokens(models))
+    return constrained_chunks(todo, constraints, decode.batch_size, decode.beam_size)
 
 
 def _to_translation(vocab: Vocabulary, h: Hypothesis) -> Translation:

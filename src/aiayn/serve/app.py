@@ -64,6 +64,8 @@ class TranslateRequest(BaseModel):
                                                 "in parts and join them (else 413)")
     markup: bool = Field(False, description="carry inline tags and placeholders through "
                                             "translation (aiayn.data.markup)")
+    constraints: list[list[str]] | None = Field(
+        None, description="per line, target phrases its translation must hold ([] for none)")
 
 
 class DocumentRequest(BaseModel):
@@ -201,11 +203,14 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     max_len = min(m.config.max_len for m in translator.models)
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="aiayn-model")
 
-    def run_batch(lines: list[str], key: tuple[int, float, int]):
+    def run_batch(lines: list, key: tuple[int, float, int]):
         beam, alpha, nbest = key
+        from aiayn.decoding.constraints import split_items
+
+        lines, constraints = split_items(lines)  # a constrained line comes as (text, phrases)
         return translator.generate(lines, beam_size=beam, alpha=alpha, nbest=nbest,
                                    batch_size=limits.max_batch_lines, long_inputs="error",
-                                   preprocessed=True, workers=1)
+                                   preprocessed=True, workers=1, constraints=constraints)
 
     workers = choose_workers(translator.workers, translator.device, limits.max_concurrent)
     pool = None
@@ -320,7 +325,18 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
             for n, line in enumerate(read, 1):
                 check_tokens(line, f"line {n}", max_len)
         key = search_settings(req.beam, req.alpha, req.nbest)
-        results, parts, batch_lines = await decode_in_parts(read, key)
+        phrases = None
+        if req.constraints is not None:
+            from aiayn.decoding.constraints import ConstraintError, check_request
+
+            for n, given in enumerate(req.constraints, 1):
+                for k, phrase in enumerate(given, 1):
+                    check_chars(phrase, f"constraint {k} of line {n}")
+            try:
+                phrases = check_request(translator, read, req.constraints)
+            except ConstraintError as err:
+                raise HTTPException(422, str(err)) from None
+        results, parts, batch_lines = await decode_in_parts(read, key, constraints=phrases)
         if marked is not None:
             results = restore_translations(marked, results)
         return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
@@ -328,16 +344,23 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
                 "parts": parts, "warnings": warnings(req.lines) + notes}
 
-    async def decode_in_parts(read: list[str], key, lang: str | None = None):
+    async def decode_in_parts(read: list[str], key, lang: str | None = None,
+                              constraints: list | None = None):
         """``read`` (the model's text) decoded in the batcher, a line over ``max_len`` in
-        parts: (translations per line, parts per line, the batch's lines)."""
+        parts: (translations per line, parts per line, the batch's lines). A line's
+        ``constraints`` (the model's target text) go with its first part."""
         parts = translator.split_long_lines(read, lang=lang, preprocessed=True)
         counts = [len(ps) for ps in parts]
         if sum(counts) > limits.max_lines:
             raise HTTPException(413, f"{sum(counts)} sentences and parts of long lines in one "
                                      f"request; at most {limits.max_lines} are accepted")
+        items: list = [p for ps in parts for p in ps]
+        if constraints is not None:
+            from aiayn.decoding.constraints import join_items
+
+            items = join_items(items, constraints, counts)
         try:
-            results, batch_lines = await batcher().submit([p for ps in parts for p in ps], key)
+            results, batch_lines = await batcher().submit(items, key)
         except QueueFullError as err:
             raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from None
         except ShuttingDownError as err:
