@@ -337,10 +337,11 @@ class Translator:
             from aiayn.data.markup import generate_marked
 
             return generate_marked(
-                self.generate, lines, markup, warn=warn or self.warn, beam_size=beam_size,
+                self, self.generate, lines, markup, warn=warn or self.warn, beam_size=beam_size,
                 alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, batch_size=batch_size,
                 beam_rules=beam_rules, nbest=nbest, sampling=sampling, long_inputs=long_inputs,
-                preprocessed=preprocessed, progress=progress, workers=workers, **engine)
+                preprocessed=preprocessed, progress=progress, workers=workers,
+                constraints=constraints, **engine)
         if long_inputs == "split":  # cut and joined around the search (generate_text)
             return self.generate_text(
                 lines, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
@@ -441,8 +442,9 @@ class Translator:
         if options.get("markup"):  # taken out before the lines are cut, put back after
             from aiayn.data.markup import generate_marked
 
-            return generate_marked(self.generate_text, lines, options.pop("markup"), warn=warn,
-                                   lang=lang, nbest=nbest, preprocessed=preprocessed, **options)
+            return generate_marked(self, self.generate_text, lines, options.pop("markup"),
+                                   warn=warn, lang=lang, nbest=nbest, preprocessed=preprocessed,
+                                   **options)
         options.pop("markup", None)
         lines = list(lines)
         if not preprocessed:

@@ -14,6 +14,7 @@ from aiayn.data.markup import (
     MarkupConfig,
     MarkupError,
     Placeholder,
+    copyable,
     parse,
     parse_lines,
     restore,
@@ -270,6 +271,14 @@ def test_translator_carries_tags_and_warns_about_the_unbalanced_line(small):
         small.translate(LINES, markup=MarkupConfig(malformed="error"), **FAST)
 
 
+def test_placeholders_to_copy_become_constraints(small):
+    line = "Two dogs play with 3 balls and %s ."
+    marked = parse(line, keep_copies=copyable(small))
+    assert marked.constraints == ["3"]  # kept in the text; %s is taken out
+    (out,) = small.translate([line], markup=True, **FAST)
+    assert out.count("3") >= 1 and out.count("%s") == 1
+
+
 def test_cli_and_server_give_the_api_answer(small, tmp_path, capsys):
     from fastapi.testclient import TestClient
 
@@ -292,9 +301,11 @@ def test_cli_and_server_give_the_api_answer(small, tmp_path, capsys):
     rc = main(["translate", "--checkpoint", str(path), "-i", str(src), "--placeholder", "x"])
     assert rc == 2 and "--placeholder needs --markup" in capsys.readouterr().err
     with TestClient(create_app(small)) as client:
-        r = client.post("/translate", json={"lines": LINES, "markup": True, "beam": 2})
+        lines = [*LINES, "Two dogs play with 3 balls."]
+        r = client.post("/translate", json={"lines": lines, "markup": True, "beam": 2})
         assert r.status_code == 200, r.text
         data = r.json()
     got = [ts[0]["text"] for ts in data["translations"]]
-    assert got[:3] == small.translate(LINES[:3], markup=True, beam_size=2)
+    assert got[:3] + got[4:] == small.translate(lines[:3] + lines[4:], markup=True,
+                                                beam_size=2)
     assert len(data["warnings"]) == 1 and "line 4" in data["warnings"][0]

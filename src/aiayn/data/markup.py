@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from aiayn.errors import ConfigError, UserError
 
 __all__ = ["DEFAULT_PLACEHOLDERS", "Item", "Markup", "MarkupConfig", "MarkupError",
-           "Placeholder", "Restored", "generate_marked", "parse", "parse_lines", "restore", "restore_translations",
+           "Placeholder", "Restored", "copyable", "generate_marked", "parse", "parse_lines", "restore", "restore_translations",
            "tags_of", "well_formed"]
 
 
@@ -279,7 +279,7 @@ class _Token:
 
 
 def _placeholders_in(text: str, offset: int, placeholders: Sequence[Placeholder],
-                     keep_copies: bool) -> list[_Token]:
+                     keep_copies: bool | Callable[[str], bool]) -> list[_Token]:
     """Non-overlapping placeholder matches in ``text`` (leftmost first; at one start, the
     earlier pattern wins)."""
     found = []
@@ -291,20 +291,23 @@ def _placeholders_in(text: str, offset: int, placeholders: Sequence[Placeholder]
     out, end = [], 0
     for start, _, m, p in found:
         if start >= end:
+            kept = p.copy and (keep_copies(m.group(0)) if callable(keep_copies)
+                               else keep_copies)
             out.append(_Token("placeholder", m.group(0), p.name, offset + start, offset + m.end(),
-                              kept=keep_copies and p.copy, copy=p.copy))
+                              kept=kept, copy=p.copy))
             end = m.end()
     return out
 
 
 def parse(line: str, config: MarkupConfig | None = None, *, number: int | None = None,
-          keep_copies: bool = False) -> Markup:
+          keep_copies: bool | Callable[[str], bool] = False) -> Markup:
     """Cut ``line`` into the model's text and its items (see the module's docstring).
 
     Args:
         config: the placeholders and what unbalanced tags do (default :class:`MarkupConfig`).
         number: the line's number (from 1), for the error message.
-        keep_copies: leave placeholders marked ``copy`` in the text (as constraints).
+        keep_copies: leave placeholders marked ``copy`` in the text (as constraints); a
+            callable: those whose text it accepts (:func:`copyable`).
 
     Raises:
         MarkupError: unbalanced tags with ``config.malformed == "error"``, naming the line.
@@ -419,7 +422,7 @@ def _pair_up(tokens: list[_Token]) -> list[str]:
 
 def parse_lines(lines: Sequence[str], config: MarkupConfig | None = None, *,
                 warn: Callable[[str], None] | None = None,
-                keep_copies: bool = False) -> list[Markup]:
+                keep_copies: bool | Callable[[str], bool] = False) -> list[Markup]:
     """:func:`parse` each line; one warning (to ``warn``) names the lines with unbalanced tags.
 
     Raises:
@@ -644,12 +647,38 @@ def restore_translations(marked: Sequence[Markup], results: Sequence[Sequence]) 
             for mk, ts in zip(marked, results)]
 
 
-def generate_marked(generate: Callable, lines: Sequence[str], markup, *,
+def copyable(translator) -> Callable[[str], bool]:
+    """Whether a placeholder's text can be a terminology constraint for ``translator``: the
+    model's target text is the text itself (no preprocessing changes it), its subwords decode
+    back to it exactly, and the models can produce each of them. Others are taken out and put
+    back by position."""
+    from aiayn.decoding.constraints import producible_tokens
+    from aiayn.model.engine import as_engine
+
+    ids = producible_tokens([as_engine(m) for m in translator.decoding_models])
+    allowed = None if ids is None else set(ids.tolist())
+    vocab = translator.vocab
+
+    def keep(text: str) -> bool:
+        read = translator.preprocess([text], "tgt", warn=lambda msg: None)[0]
+        tokens = vocab.encode(read)
+        return (read == text and bool(tokens) and vocab.decode(tokens) == text
+                and (allowed is None or allowed.issuperset(tokens)))
+
+    return keep
+
+
+def generate_marked(translator, generate: Callable, lines: Sequence[str], markup, *,
                     warn: Callable[[str], None] | None = None, **options):
-    """Translate ``lines`` with their markup: each is :func:`parse`d, ``generate`` (a
-    :class:`~aiayn.Translator`'s ``generate`` or ``generate_text``) translates the plain texts
-    with word alignments, and :func:`restore_translations` puts the items back. What
+    """Translate ``lines`` with their markup: each is :func:`parse`d, ``generate`` (the
+    ``translator``'s ``generate`` or ``generate_text``) translates the plain texts with word
+    alignments, and :func:`restore_translations` puts the items back. What
     ``Translator.generate(..., markup=...)`` runs.
+
+    Placeholders marked ``copy`` that the model can write exactly (:func:`copyable`) stay in
+    the text and become the line's terminology constraints (:mod:`aiayn.decoding.constraints`,
+    with any given in ``options``), so the search must copy them; not when sampling, which
+    takes no constraints.
 
     Args:
         markup: True (:class:`MarkupConfig`'s defaults) or a :class:`MarkupConfig`.
@@ -661,8 +690,15 @@ def generate_marked(generate: Callable, lines: Sequence[str], markup, *,
     Raises:
         MarkupError: unbalanced tags with ``malformed="error"``, naming the line.
     """
+    from aiayn.decoding.constraints import merge_constraints
+
     config = markup if isinstance(markup, MarkupConfig) else MarkupConfig()
-    marked = parse_lines(lines, config, warn=warn)
+    keep = options.get("sampling") is None and any(p.copy for p in config.placeholders)
+    marked = parse_lines(lines, config, warn=warn,
+                         keep_copies=copyable(translator) if keep else False)
+    ours = [m.constraints or None for m in marked]
+    if any(ours):
+        options["constraints"] = merge_constraints(options.get("constraints"), ours)
     result = generate([m.plain for m in marked], warn=warn, **options)
     if isinstance(result, list):
         return restore_translations(marked, result)

@@ -190,7 +190,8 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     The batcher starts and stops with the app's lifespan (stopping finishes every queued
     request first, then ends the processes).
     """
-    from aiayn.data.markup import parse_lines, restore_translations
+    from aiayn.data.markup import copyable, parse_lines, restore_translations
+    from aiayn.decoding.constraints import merge_constraints
     from aiayn.data.segment import segment
     from aiayn.data.text import tokenized_input_warning
     from aiayn.translator import join_parts
@@ -317,23 +318,29 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 raise HTTPException(422, f"line {n} contains a line break: send one sentence "
                                          "per item of lines")
             check_chars(line, f"line {n}")
-        marked, notes = None, []
-        if req.markup:  # tags and placeholders out; put back below
-            marked = parse_lines(req.lines, warn=notes.append)
+        marked, notes, wanted = None, [], req.constraints
+        if req.markup:  # tags and placeholders out (those to copy kept, as constraints)
+            if "copyable" not in state:
+                state["copyable"] = copyable(translator)
+            marked = parse_lines(req.lines, warn=notes.append, keep_copies=state["copyable"])
+            if any(m.constraints for m in marked) and (wanted is None
+                                                       or len(wanted) == len(marked)):
+                wanted = [ps or [] for ps in merge_constraints(
+                    wanted, [m.constraints for m in marked])]
         read = translator.preprocess(req.lines if marked is None else [m.plain for m in marked])
         if not req.split_long:
             for n, line in enumerate(read, 1):
                 check_tokens(line, f"line {n}", max_len)
         key = search_settings(req.beam, req.alpha, req.nbest)
         phrases = None
-        if req.constraints is not None:
+        if wanted is not None:
             from aiayn.decoding.constraints import ConstraintError, check_request
 
-            for n, given in enumerate(req.constraints, 1):
+            for n, given in enumerate(wanted, 1):
                 for k, phrase in enumerate(given, 1):
                     check_chars(phrase, f"constraint {k} of line {n}")
             try:
-                phrases = check_request(translator, read, req.constraints)
+                phrases = check_request(translator, read, wanted)
             except ConstraintError as err:
                 raise HTTPException(422, str(err)) from None
         results, parts, batch_lines = await decode_in_parts(read, key, constraints=phrases)
