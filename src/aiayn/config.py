@@ -281,6 +281,14 @@ class TrainConfig:
     # with rdrop_alpha > 0: R-Drop waits until this fraction of the budget (as the lr schedule
     # measures it) is spent; before it, each batch runs once, as without R-Drop
     rdrop_start: float = 0.0
+    # > 0: guided alignment (Garg et al. 2019, EMNLP; not in the paper): the loss adds this
+    # weight times the cross-entropy between one cross-attention head (decoder layer
+    # guided_alignment_layer, negative counts from the top: -2 is the penultimate layer as in
+    # Garg et al.; head guided_alignment_head) and reference links from IBM Model 1 learned on
+    # the training pairs (aiayn.decoding.alignment); Garg et al. use 0.05
+    guided_alignment_weight: float = 0.0
+    guided_alignment_layer: int = -2
+    guided_alignment_head: int = 0
     eval_every_steps: int = 1000
     eval_bleu_sentences: int = 500  # validation sentences decoded greedily for BLEU; 0: none
     early_stopping_patience: int = 0  # evaluations without a better BLEU before stopping; 0: off
@@ -312,6 +320,7 @@ class TrainConfig:
         _non_negative(self, "clip_norm", "time_budget_s", "checkpoint_every_steps")
         _non_negative(self, "checkpoint_every_s", "eval_bleu_sentences", "weight_decay")
         _non_negative(self, "early_stopping_patience", "peak_lr", "rdrop_alpha")
+        _non_negative(self, "guided_alignment_weight", "guided_alignment_head")
         _choice(self, "lr_schedule", LR_SCHEDULES)
         _choice(self, "precision", TRAIN_PRECISIONS)
         if self.rdrop_start > 0 and self.rdrop_alpha == 0:
@@ -353,6 +362,12 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        tc, mc = self.train, self.model
+        if tc.guided_alignment_weight > 0 and not (
+                -mc.N <= tc.guided_alignment_layer < mc.N and tc.guided_alignment_head < mc.h):
+            raise ConfigError(f"train.guided_alignment_layer={tc.guided_alignment_layer} and "
+                              f"guided_alignment_head={tc.guided_alignment_head} must name a "
+                              f"decoder layer in [-{mc.N}, {mc.N}) and a head in [0, {mc.h})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -99,10 +99,12 @@ def join_parts(results: list[list[Any]], counts: list[int]) -> list[list[Any]]:
     Returns:
         Per line, its alternatives: a one-part line's as they are; a split line's k-th one
         joins its parts' k-th texts with a space, sums their ``score`` and ``log_prob``, and
-        concatenates their tokens with one EOS at the end.
+        concatenates their tokens with one EOS at the end (and their alignments, the words
+        numbered on, :func:`~aiayn.decoding.alignment.join_alignments`).
     """
     from aiayn.data.vocab import EOS_ID
     from aiayn.decoding import Translation
+    from aiayn.decoding.alignment import join_alignments
 
     if sum(counts) != len(results):
         raise ValueError(f"join_parts: {len(results)} results for {sum(counts)} parts")
@@ -118,7 +120,7 @@ def join_parts(results: list[list[Any]], counts: list[int]) -> list[list[Any]]:
             tokens = [t for x in ts for t in x.tokens if t != EOS_ID] + [EOS_ID]
             joined.append(Translation(" ".join(x.text for x in ts if x.text),
                                       sum(x.score for x in ts), sum(x.log_prob for x in ts),
-                                      tokens))
+                                      tokens, join_alignments([x.alignment for x in ts])))
         out.append(joined)
     return out
 
@@ -296,6 +298,7 @@ class Translator:
                  long_inputs: str = "truncate", preprocessed: bool = False,
                  progress: bool = False, warn: Callable[[str], None] | None = None,
                  workers: int | str | None = None, markup=False, constraints=None,
+                 alignments: bool = False,
                  **engine: Any) -> list[list[Any]]:
         """Translate ``lines``: for each, up to ``nbest``
         :class:`~aiayn.decoding.Translation` objects (text, score, log_prob, tokens), best
@@ -324,6 +327,8 @@ class Translator:
                 without any decode exactly as without the option. A line whose phrases do not
                 all fit in its maximum output is refused; one whose search runs out of length
                 before placing them all is warned about.
+            alignments: fill each translation's ``alignment`` (word alignments from one
+                teacher-forced pass over the output, :meth:`align`).
             engine: passed to :func:`aiayn.decoding.translate_nbest` (``use_cache``,
                 ``min_len``: benchmarks; ``shortlist``: default :attr:`shortlist`).
 
@@ -341,13 +346,14 @@ class Translator:
                 alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, batch_size=batch_size,
                 beam_rules=beam_rules, nbest=nbest, sampling=sampling, long_inputs=long_inputs,
                 preprocessed=preprocessed, progress=progress, workers=workers,
-                constraints=constraints, **engine)
+                constraints=constraints, **engine)  # (alignments: always, for the markup)
         if long_inputs == "split":  # cut and joined around the search (generate_text)
             return self.generate_text(
                 lines, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                 max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules, nbest=nbest,
                 sampling=sampling, preprocessed=preprocessed, progress=progress, warn=warn,
-                workers=workers, constraints=constraints, **engine).translations
+                workers=workers, constraints=constraints, alignments=alignments,
+                **engine).translations
         warn = warn or self.warn
         decode = self.decode_settings(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
                              max_len_b=max_len_b, batch_size=batch_size, beam_rules=beam_rules)
@@ -358,17 +364,15 @@ class Translator:
 
             engine["constraints"] = encode_constraints(self, constraints, len(text),
                                                        preprocessed=preprocessed)
-            out = translate_nbest(
-                self.decoding_models, self.vocab, text, decode, nbest=nbest, sampling=sampling,
-                bf16=self.precision.uses_bf16, long_inputs=long_inputs, warn=warn,
-                progress=progress, workers=self.workers if workers is None else workers,
-                **engine)
+        out = translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
+                              sampling=sampling, bf16=self.precision.uses_bf16,
+                              long_inputs=long_inputs, warn=warn, progress=progress,
+                              workers=self.workers if workers is None else workers, **engine)
+        if constraints is not None:
             warn_unplaced(engine["constraints"], out, warn)
-            return out
-        return translate_nbest(self.decoding_models, self.vocab, text, decode, nbest=nbest,
-                               sampling=sampling, bf16=self.precision.uses_bf16,
-                               long_inputs=long_inputs, warn=warn, progress=progress,
-                               workers=self.workers if workers is None else workers, **engine)
+        if alignments:
+            out = self.with_alignments(list(lines), text, out)
+        return out
 
     def translate(self, lines: list[str], *, nbest: int = 1, **options: Any
                   ) -> list[str] | list[list[str]]:
@@ -574,6 +578,71 @@ class Translator:
         with self._autocast():
             return attention_maps(self.models[0], self.vocab, source, target, out_ids=out_ids,
                                   score=score)
+
+    # --- word alignments (aiayn.decoding.alignment) -------------------------------------------
+    def align(self, sources: list[str], targets: list[str], *, preprocessed: bool = False,
+              layer: int | None = None, batch_size: int | None = None) -> list[Any]:
+        """Word alignments of given (source, target) pairs: one teacher-forced pass of the
+        model (an ensemble's first member; :func:`aiayn.decoding.alignment.align_pairs`:
+        the layer and the rules are there).
+
+        Args:
+            sources, targets: N sentences each, raw (or the model's text with
+                ``preprocessed``); their whitespace words are the words aligned.
+            layer: the decoder layer to read (default: the guided layer and head of a model
+                trained with guided alignment, else the penultimate layer's mean over heads).
+            batch_size: pairs per forward pass (default: ``decode_config.batch_size``).
+
+        Returns:
+            N :class:`~aiayn.decoding.alignment.Alignment` (``.pharaoh()``: ``"0-0 1-2"``).
+
+        Raises:
+            ValueError: lists of different lengths, or a bad layer.
+            aiayn.decoding.InputTooLongError: a sentence longer than the model's ``max_len``.
+        """
+        from aiayn.decoding import encode_sources
+
+        if len(sources) != len(targets):
+            raise ValueError(f"align: {len(sources)} sources but {len(targets)} targets")
+        model_src = list(sources) if preprocessed else self.preprocess(sources)
+        model_tgt = list(targets) if preprocessed else self.preprocess(targets, "tgt")
+        max_len = self.max_source_tokens
+        src_ids = encode_sources(self.vocab, model_src, max_len, long_inputs="error")
+        tgt_ids = encode_sources(self.vocab, model_tgt, max_len, long_inputs="error")
+        return self._align(sources, model_src, src_ids, targets, model_tgt, tgt_ids, layer,
+                           batch_size)
+
+    def with_alignments(self, lines: list[str], text: list[str], results: list[list[Any]], *,
+                        layer: int | None = None) -> list[list[Any]]:
+        """``results`` (per line, its :class:`~aiayn.decoding.Translation` s) with their
+        ``alignment`` filled, for ``lines`` as given and ``text`` as the model read them."""
+        import dataclasses as dc
+
+        from aiayn.decoding import encode_sources
+
+        quiet = lambda msg: None  # noqa: E731  (decoding warned about long lines already)
+        src_ids = encode_sources(self.vocab, list(text), self.max_source_tokens, warn=quiet)
+        flat = [(n, t) for n, ts in enumerate(results) for t in ts]
+        found = self._align([lines[n] for n, _ in flat], [text[n] for n, _ in flat],
+                            [src_ids[n] for n, _ in flat], [t.text for _, t in flat],
+                            [t.text for _, t in flat], [t.tokens for _, t in flat], layer,
+                            None)
+        it = iter(found)
+        return [[dc.replace(t, alignment=next(it)) for t in ts] for ts in results]
+
+    def _align(self, sources, model_src, src_ids, targets, model_tgt, tgt_ids, layer,
+               batch_size) -> list[Any]:
+        from aiayn.decoding.alignment import align_pairs
+
+        tokenize = None
+        if self.config.data.preprocess != "none":
+            tokenize = lambda text, side: self.preprocess([text], side)[0]  # noqa: E731
+        with self._autocast():
+            return align_pairs(self.models[0], self.vocab, self.config, list(sources),
+                               list(model_src), src_ids, list(targets), list(model_tgt),
+                               tgt_ids, layer=layer,
+                               batch_size=batch_size or self._decode.batch_size,
+                               tokenize=tokenize)
 
     @contextlib.contextmanager
     def _eval(self):

@@ -259,6 +259,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--glossary", default=None, metavar="FILE",
                    help="'source term<TAB>target term' per line: where a source term occurs "
                         "in a line (whole words), its target term becomes a constraint")
+    p.add_argument("--alignments", action="store_true",
+                   help="word alignments of each translation to its source, in Pharaoh format "
+                        "(source-target word pairs, 0-based: '0-0 1-2'), from one "
+                        "cross-attention layer (aiayn.decoding.alignment): as text "
+                        "'translation ||| 0-0 1-2' (with --nbest, a fourth field); with --json, "
+                        "an 'alignment' key")
 
 
 def _one_line(text: str) -> str:
@@ -275,6 +281,9 @@ def run(args: argparse.Namespace) -> int:
     if args.document and args.nbest > 1:
         raise UserError(f"--nbest {args.nbest} needs one sentence a line; --document gives "
                         "one translated document")
+    if args.document and args.alignments:
+        raise UserError("--alignments needs one sentence a line; --document gives one "
+                        "translated document")
     check_decode_arguments(args)
     markup = markup_settings(args)
     choose_device(args.device)
@@ -304,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
         options["markup"] = markup
     if constraints is not None:
         options["constraints"] = constraints
+    if args.alignments:
+        options["alignments"] = True
     parts = [1] * len(lines)
     if options["long_inputs"] == "split":
         del options["long_inputs"]
@@ -315,12 +326,13 @@ def run(args: argparse.Namespace) -> int:
     for n, translations in enumerate(results):
         if args.json:
             out.append(json.dumps({"line": n + 1, "parts": parts[n], "translations": [
-                {"text": t.text, "score": t.score, "log_prob": t.log_prob}
-                for t in translations]}, ensure_ascii=False))
+                {"text": t.text, "score": t.score, "log_prob": t.log_prob,
+                 **_alignment_field(t, args)} for t in translations]}, ensure_ascii=False))
         elif args.nbest > 1:
-            out.extend(f"{n} ||| {_one_line(t.text)} ||| {t.score:.4f}" for t in translations)
+            out.extend(f"{n} ||| {_one_line(t.text)} ||| {t.score:.4f}" + _links(t, args)
+                       for t in translations)
         else:
-            out.append(_one_line(translations[0].text))
+            out.append(_one_line(translations[0].text) + _links(translations[0], args))
     _write("".join(line + "\n" for line in out).encode("utf-8"), args.output if to_file else None)
     return 0
 
@@ -346,6 +358,20 @@ def markup_settings(args: argparse.Namespace):
     defaults = () if "none" in given else DEFAULT_PLACEHOLDERS
     return MarkupConfig(placeholders=(*defaults, *(Placeholder(p, "--placeholder")
                                                    for p in given if p != "none")))
+
+
+def _alignment_field(t, args: argparse.Namespace) -> dict:
+    """--json's ``alignment`` key (Pharaoh links) with --alignments; else nothing."""
+    if not args.alignments:
+        return {}
+    return {"alignment": t.alignment.pharaoh() if t.alignment is not None else None}
+
+
+def _links(t, args: argparse.Namespace) -> str:
+    """`` ||| 0-0 1-2`` with --alignments (Marian's text form); else nothing."""
+    if not args.alignments:
+        return ""
+    return " ||| " + (t.alignment.pharaoh() if t.alignment is not None else "")
 
 
 def _translate_document(args: argparse.Namespace, text: str, progress: bool) -> bytes:

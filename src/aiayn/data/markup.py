@@ -699,6 +699,7 @@ def generate_marked(translator, generate: Callable, lines: Sequence[str], markup
     ours = [m.constraints or None for m in marked]
     if any(ours):
         options["constraints"] = merge_constraints(options.get("constraints"), ours)
+    options["alignments"] = True  # where the items go
     result = generate([m.plain for m in marked], warn=warn, **options)
     if isinstance(result, list):
         return restore_translations(marked, result)

@@ -47,6 +47,81 @@ def _pieces(vocab, side: str) -> list[str]:
 
 
 @dataclass(frozen=True)
+class LexicalTable:
+    """IBM Model 1's lexical translation probabilities p(t | s) over subword ids (Brown et al.,
+    1993), as sorted sparse pairs: what :func:`ibm_model1` learns, for the shortlist and for
+    guided alignment's reference links (:mod:`aiayn.decoding.alignment`).
+
+    Attributes:
+        keys: int64 (nnz,) sorted ``s * (vocab_size + 1) + t``; ``s == vocab_size`` is NULL.
+        prob: float64 (nnz,) p(t | s) of each key.
+        vocab_size: ids are in [0, vocab_size) on both sides.
+        target_counts: int64 (vocab_size,) how often each target id occurs in the pairs.
+    """
+
+    keys: np.ndarray
+    prob: np.ndarray
+    vocab_size: int
+    target_counts: np.ndarray
+
+    @property
+    def source(self) -> np.ndarray:
+        """(nnz,) the source id of each key (``vocab_size``: NULL)."""
+        return self.keys // (self.vocab_size + 1)
+
+    @property
+    def target(self) -> np.ndarray:
+        """(nnz,) the target id of each key."""
+        return self.keys % (self.vocab_size + 1)
+
+
+def ibm_model1(pairs: Iterable[tuple[Sequence[int], Sequence[int]]], vocab_size: int, *,
+               iterations: int = 5,
+               progress: Callable[[str], None] | None = None) -> LexicalTable:
+    """Estimate p(t | s) by IBM Model 1 (EM, a NULL source word; the first iteration is a
+    co-occurrence count) over ``pairs`` of (source ids, target ids) without BOS/EOS.
+
+    Raises:
+        ValueError: no iterations, or no pair with tokens on both sides.
+    """
+    if iterations < 1:
+        raise ValueError(f"IBM Model 1 needs iterations >= 1, got {iterations}")
+    NULL = vocab_size  # IBM Model 1's empty source word, one past the vocabulary
+    src_cols, tgt_cols, group_cols = [], [], []
+    group = 0
+    tgt_count = np.zeros(vocab_size, dtype=np.int64)
+    for s, t in pairs:
+        if not len(s) or not len(t):
+            continue
+        s = np.asarray(list(s) + [NULL], dtype=np.int64)
+        t = np.asarray(t, dtype=np.int64)
+        np.add.at(tgt_count, t, 1)
+        # one (source word, target position) link for every source word of the pair
+        src_cols.append(np.tile(s, len(t)))
+        tgt_cols.append(np.repeat(t, len(s)))
+        group_cols.append(np.repeat(np.arange(group, group + len(t)), len(s)))
+        group += len(t)
+    if not src_cols:
+        raise ValueError("no sentence pair with tokens on both sides to build a shortlist")
+    src, tgt, grp = (np.concatenate(c) for c in (src_cols, tgt_cols, group_cols))
+    del src_cols, tgt_cols, group_cols
+    keys, link = np.unique(src * (vocab_size + 1) + tgt, return_inverse=True)
+    del tgt
+    pair_src = keys // (vocab_size + 1)
+    theta = np.ones(len(keys))  # p(t | s) up to a factor per s: uniform to start
+    for it in range(iterations):
+        p = theta[link]
+        share = p / np.bincount(grp, weights=p, minlength=group)[grp]  # E step
+        counts = np.bincount(link, weights=share, minlength=len(keys))
+        totals = np.bincount(pair_src, weights=counts, minlength=vocab_size + 1)
+        theta = counts / totals[pair_src]  # M step
+        if progress is not None:
+            progress(f"shortlist: IBM Model 1 iteration {it + 1}/{iterations} over "
+                     f"{group:,} target tokens, {len(keys):,} word pairs")
+    return LexicalTable(keys, theta, vocab_size, tgt_count)
+
+
+@dataclass(frozen=True)
 class Shortlist:
     """Which target tokens each source token may bring into a sentence's output.
 
@@ -85,38 +160,9 @@ class Shortlist:
         if first < 0 or best < 0 or iterations < 1:
             raise ValueError(f"first and best must be >= 0 and iterations >= 1, got "
                              f"first={first}, best={best}, iterations={iterations}")
-        NULL = vocab_size  # IBM Model 1's empty source word, one past the vocabulary
-        src_cols, tgt_cols, group_cols = [], [], []
-        group = 0
-        tgt_count = np.zeros(vocab_size, dtype=np.int64)
-        for s, t in pairs:
-            if not len(s) or not len(t):
-                continue
-            s = np.asarray(list(s) + [NULL], dtype=np.int64)
-            t = np.asarray(t, dtype=np.int64)
-            np.add.at(tgt_count, t, 1)
-            # one (source word, target position) link for every source word of the pair
-            src_cols.append(np.tile(s, len(t)))
-            tgt_cols.append(np.repeat(t, len(s)))
-            group_cols.append(np.repeat(np.arange(group, group + len(t)), len(s)))
-            group += len(t)
-        if not src_cols:
-            raise ValueError("no sentence pair with tokens on both sides to build a shortlist")
-        src, tgt, grp = (np.concatenate(c) for c in (src_cols, tgt_cols, group_cols))
-        del src_cols, tgt_cols, group_cols
-        keys, link = np.unique(src * (vocab_size + 1) + tgt, return_inverse=True)
-        del tgt
-        pair_src, pair_tgt = keys // (vocab_size + 1), keys % (vocab_size + 1)
-        theta = np.ones(len(keys))  # p(t | s) up to a factor per s: uniform to start
-        for it in range(iterations):
-            p = theta[link]
-            share = p / np.bincount(grp, weights=p, minlength=group)[grp]  # E step
-            counts = np.bincount(link, weights=share, minlength=len(keys))
-            totals = np.bincount(pair_src, weights=counts, minlength=vocab_size + 1)
-            theta = counts / totals[pair_src]  # M step
-            if progress is not None:
-                progress(f"shortlist: IBM Model 1 iteration {it + 1}/{iterations} over "
-                         f"{group:,} target tokens, {len(keys):,} word pairs")
+        table = ibm_model1(pairs, vocab_size, iterations=iterations, progress=progress)
+        pair_src, pair_tgt, theta, tgt_count = (table.source, table.target, table.prob,
+                                                table.target_counts)
         lists: list[np.ndarray] = []
         seen_tgt = tgt_count > 0
         order = np.lexsort((-theta, pair_src))  # by source, then most likely first
@@ -307,4 +353,4 @@ class ShortlistStep(StepFunction):
         return ShortlistStep(self.step.select(index), self.banned, self.sentence[index])
 
 
-__all__ = ["Shortlist", "ShortlistStep", "build_shortlist"]
+__all__ = ["LexicalTable", "Shortlist", "ShortlistStep", "build_shortlist", "ibm_model1"]

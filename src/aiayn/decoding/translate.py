@@ -29,6 +29,7 @@ from aiayn.decoding.search import (
     max_output_lengths,
     same_columns,
 )
+from aiayn.decoding.alignment import Alignment
 from aiayn.decoding.shortlist import ShortlistStep
 from aiayn.config import DecodeConfig
 from aiayn.errors import ConfigError, UserError
@@ -44,12 +45,16 @@ class Translation:
         score: search score (``log_prob / lp(|Y|)`` for beam search, ``log_prob`` otherwise).
         log_prob: sum of token log-probabilities, EOS included (natural log).
         tokens: generated ids, EOS included.
+        alignment: its word alignment to the source
+            (:class:`~aiayn.decoding.alignment.Alignment`: Pharaoh links, soft matrix, words),
+            when asked for (:meth:`aiayn.Translator.generate` ``alignments=True``), else None.
     """
 
     text: str
     score: float
     log_prob: float
     tokens: list[int]
+    alignment: Alignment | None = None
 
 
 class InputTooLongError(UserError):

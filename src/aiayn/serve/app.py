@@ -5,7 +5,9 @@ Endpoints:
 
 * ``POST /translate`` ``{"lines": [...], "beam": 4, "alpha": 0.6, "nbest": 1}``: every line's
   translations, best first, with score and log-probability (decoded in batches with other
-  requests, see :mod:`aiayn.serve.batcher`).
+  requests, see :mod:`aiayn.serve.batcher`). With ``"alignments": true``, each also carries
+  ``alignment``: its word alignment to the line, Pharaoh links ``"0-0 1-2"``
+  (:mod:`aiayn.decoding.alignment`).
   With ``"split_long": true``, a line longer than the model's ``max_len`` is translated in
   parts and joined (:meth:`aiayn.Translator.split_long_lines`) instead of answering 413;
   ``parts`` says, per line, how many parts it was translated in (1: it fit).
@@ -66,6 +68,8 @@ class TranslateRequest(BaseModel):
                                             "translation (aiayn.data.markup)")
     constraints: list[list[str]] | None = Field(
         None, description="per line, target phrases its translation must hold ([] for none)")
+    alignments: bool = Field(False, description="each translation's word alignment to its "
+                                                "line, Pharaoh links '0-0 1-2' (source-target)")
 
 
 class DocumentRequest(BaseModel):
@@ -343,19 +347,27 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 phrases = check_request(translator, read, wanted)
             except ConstraintError as err:
                 raise HTTPException(422, str(err)) from None
-        results, parts, batch_lines = await decode_in_parts(read, key, constraints=phrases)
+        sent = req.lines if marked is None else [m.plain for m in marked]
+        results, parts, batch_lines = await decode_in_parts(
+            read, key, constraints=phrases,
+            given=sent if req.alignments or marked is not None else None)
         if marked is not None:
             results = restore_translations(marked, results)
-        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob}
+        return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob,
+                                   **({"alignment": t.alignment and t.alignment.pharaoh()}
+                                      if req.alignments else {})}
                                   for t in line] for line in results],
                 "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
                 "parts": parts, "warnings": warnings(req.lines) + notes}
 
     async def decode_in_parts(read: list[str], key, lang: str | None = None,
-                              constraints: list | None = None):
+                              constraints: list | None = None,
+                              given: list[str] | None = None):
         """``read`` (the model's text) decoded in the batcher, a line over ``max_len`` in
         parts: (translations per line, parts per line, the batch's lines). A line's
-        ``constraints`` (the model's target text) go with its first part."""
+        ``constraints`` (the model's target text) go with its first part. With ``given``
+        (the lines as sent), each translation's word alignment is added (on this process's
+        model thread, after the batch)."""
         parts = translator.split_long_lines(read, lang=lang, preprocessed=True)
         counts = [len(ps) for ps in parts]
         if sum(counts) > limits.max_lines:
@@ -372,6 +384,11 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
             raise HTTPException(429, str(err), headers={"Retry-After": "1"}) from None
         except ShuttingDownError as err:
             raise HTTPException(503, str(err)) from None
+        if given is not None:  # a split line's parts are aligned as the model read them
+            flat = [p for ps in parts for p in ps]
+            sent = [given[n] if len(ps) == 1 else p for n, ps in enumerate(parts) for p in ps]
+            results = await asyncio.get_running_loop().run_in_executor(
+                model_thread, translator.with_alignments, sent, flat, results)
         return join_parts(results, counts), counts, batch_lines
 
     @app.post("/document")

@@ -331,6 +331,10 @@ class Trainer:
                                        tf32=tc.tf32)
         optimizer = optimizer if optimizer is not None else build_optimizer(model, tc)
         self.learner = Learner(config, model, optimizer, precision, device, dist, vocab.pad_id)
+        if tc.guided_alignment_weight > 0:  # its reference links: IBM Model 1 on these pairs
+            from aiayn.decoding.alignment import GuidedAlignment
+
+            self.learner.guided = GuidedAlignment.from_corpus(config, train)
         self.metrics = metrics if metrics is not None else \
             MetricsSink(self.run_dir, enabled=dist.is_main)
         self.checkpointer = checkpointer if checkpointer is not None else \

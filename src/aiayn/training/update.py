@@ -112,16 +112,27 @@ def training_precision(requested: str, device: torch.device, model: ModelConfig,
 
 def batch_loss(model: nn.Module, batch: Batch, *, epsilon_ls: float, pad_id: int,
                autocast: contextlib.AbstractContextManager, rdrop_alpha: float = 0.0,
-               grad_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, int]:
+               grad_scale: float = 1.0, guided=None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Label-smoothed loss of one batch (§5.4), summed over its non-pad target tokens; only
     those positions reach the output layer, fused with the loss (no (n, V) logits in memory).
     With ``rdrop_alpha`` > 0, R-Drop (not in the paper): the batch stacked on itself, so that
-    one forward runs both passes with independent dropout masks.
+    one forward runs both passes with independent dropout masks. With ``guided`` (a
+    :class:`~aiayn.decoding.alignment.GuidedAlignment`; not in the paper), its weighted
+    alignment cross-entropy is added to loss_sum (not to nll_sum).
 
     Returns:
         (loss_sum, nll_sum, n_tokens); the backward of loss_sum gives the gradient of
         ``grad_scale * loss_sum``.
     """
+    if guided is not None:
+        core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        with guided.capture(core) as found:
+            value, nll, scored = batch_loss(model, batch, epsilon_ls=epsilon_ls, pad_id=pad_id,
+                                            autocast=autocast, rdrop_alpha=rdrop_alpha,
+                                            grad_scale=grad_scale)
+        extra = guided.loss(found["log_attention"], batch.src, batch.tgt_out)
+        # the value of extra, the gradient of grad_scale * extra (as the fused loss's)
+        return value + (extra * grad_scale + (extra * (1.0 - grad_scale)).detach()), nll, scored
     keep = batch.tgt_out != pad_id  # (B, T)
     core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     with autocast:
@@ -209,6 +220,9 @@ class Learner:
             self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(
                 self.tc.ema_decay), use_buffers=False)
         self._dropout_active: bool | None = None  # set by _schedule_dropout (late dropout)
+        # train.guided_alignment_weight > 0: a GuidedAlignment the Trainer sets (its IBM Model 1
+        # is learned on the training pairs); None: the loss of §5.4 alone
+        self.guided = None
 
     @property
     def compute_model(self) -> nn.Module:
@@ -224,9 +238,10 @@ class Learner:
         core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         rdrop = self.tc.rdrop_alpha if (self.tc.rdrop_alpha > 0 and core.draws_dropout and
                                         self.budget_spent() >= self.tc.rdrop_start) else 0.0
+        guided = self.guided if self.guided is not None and model.training else None
         return batch_loss(model, batch, epsilon_ls=self.tc.epsilon_ls, pad_id=self.pad_id,
                           autocast=self.mixed.autocast(model), rdrop_alpha=rdrop,
-                          grad_scale=grad_scale)
+                          grad_scale=grad_scale, guided=guided)
 
     def update(self, batches: list[Batch]) -> dict[str, float]:
         """One update from ``batches`` (this process's accumulation steps) of every process.
