@@ -162,7 +162,7 @@ def main() -> None:
             print(f"{k:40s} {v}")
 
 
-ALIGNMENTS: dict = {}  # what Translator.generate takes to return word alignments
+ALIGNMENTS = {"alignments": True}  # Translation.alignment (aiayn.decoding.alignment)
 
 
 if __name__ == "__main__":
