@@ -31,11 +31,13 @@ Putting back, always well-formed and nested as in the source:
   that opens no tag (``a < b``) is text.
 
 Placeholders are found in the text between tags by regular expressions
-(:data:`DEFAULT_PLACEHOLDERS`: URLs, e-mail addresses, ``{name}``, ``%s``/``%d``, numbers);
-each match is taken out of the model's text and put back at its aligned position, exactly as
-written. (Those marked ``copy`` could instead stay in the text as terminology constraints;
-:func:`parse` keeps them with ``keep_copies=True``, and :func:`restore` then puts one back only
-where the output lacks it.)
+(:data:`DEFAULT_PLACEHOLDERS`: URLs, e-mail addresses, ``{name}``, ``%s``/``%d``, numbers), and
+put back exactly as written. Those marked ``copy`` (all but printf's) that the model can write
+exactly (:func:`copyable`: its subwords spell them and it can produce each) stay in the model's
+text and become the line's terminology constraints (:mod:`aiayn.decoding.constraints`), so the
+search copies them; :func:`restore` then puts one back only where the output lacks it. The
+others are taken out and put back at their aligned position. HTML's void elements written
+without a slash (``<br>``, ``<img ...>``) are self-closing tags.
 
 Example::
 
