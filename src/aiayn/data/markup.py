@@ -623,12 +623,15 @@ def _join(pieces: list[tuple[str, int | str]], items: tuple[Item, ...]) -> str:
                     spaced.add(k + 1)
         spaced -= {0} if not prev_word else set()
         spaced -= {len(run)} if not next_word else set()
-        if prev_word and next_word and not spaced:  # one space: where a tag had it, else
+        if prev_word and next_word:  # a space where the first tag that had one has it,
             asked = [k if kind == "open" else k + 1 for k, (kind, x) in enumerate(run)
                      if (kind == "open" and items[x].space_before)
                      or (kind == "close" and items[x].space_after)]
             opens = [k for k, (kind, _) in enumerate(run) if kind == "open"]
-            spaced.add(asked[0] if asked else opens[0] if opens else len(run))
+            if asked:
+                spaced.add(asked[0])
+            elif not spaced:  # else before the first opening tag, else after the tags
+                spaced.add(opens[0] if opens else len(run))
         for k, (kind, x) in enumerate(run):
             out.append(" " if k in spaced else "")
             out.append(items[x].close if kind == "close" else items[x].text)
