@@ -100,6 +100,9 @@ def main() -> None:
     p.add_argument("--beam", type=int, default=None)
     p.add_argument("--placeholders", action="store_true",
                    help="the default placeholders too (numbers, URLs, ...), not tags only")
+    p.add_argument("--only-placeholders", action="store_true",
+                   help="only the sentences holding a default placeholder (with "
+                        "--placeholders): how many come back exactly")
     p.add_argument("--naive", action="store_true",
                    help="also feed the tagged sentences to the model as they are (a baseline)")
     p.add_argument("--json", action="store_true")
@@ -107,6 +110,9 @@ def main() -> None:
 
     src = [s.strip() for s in read_lines(args.src)[:args.sentences]]
     ref = [s.strip() for s in read_lines(args.ref)[:args.sentences]]
+    if args.only_placeholders:
+        keep = [n for n, line in enumerate(src) if parse(line).items]
+        src, ref = [src[n] for n in keep], [ref[n] for n in keep]
     rng = random.Random(args.seed)
     tagged = [tag_line(s, rng, n) for n, s in enumerate(src)]
     config = MarkupConfig() if args.placeholders else MarkupConfig(placeholders=())
@@ -139,6 +145,11 @@ def main() -> None:
         "markup_complete_well_formed_share": round(
             sum(map(complete, tagged, marked_out)) / len(src), 4),
         "markup_items_aligned_share": round(aligned / max(1, aligned + fallback), 4),
+        "placeholders_exact_share": round(sum(
+            all(out.count(p) >= src_line.count(p) for p in found)
+            for src_line, out, found in ((s, o, [it.text for it in parse(s, config).items
+                                                 if it.kind == "placeholder"])
+                                         for s, o in zip(src, marked_out))) / len(src), 4),
         "markup_bleu_stripped_vs_untagged": round(bleu.corpus_score(
             [strip_tags(t) for t in marked_out], [plain_out]).score, 2),
         "markup_identical_stripped_share": round(sum(
