@@ -168,6 +168,8 @@ def main() -> None:
         "signature": str(bleu.get_signature()),
         "checkpoint": args.checkpoint, "beam": args.beam or translator.decode_config.beam_size,
         "seed": args.seed, "example": [tagged[0], marked_out[0]],
+        "stripped_differs": [[t, o, u] for t, o, u in zip(tagged, marked_out, plain_out)
+                             if strip_tags(o) != " ".join(u.split())][:5],
     }
     if args.json:
         print(json.dumps(report, indent=1, ensure_ascii=False))
