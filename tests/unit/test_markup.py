@@ -133,6 +133,12 @@ def test_self_closing_tag_and_placeholder_at_their_aligned_positions():
     assert out.text == "Sie haben %d neue Nachrichten<br/>"
 
 
+def test_no_space_before_glued_punctuation_or_at_the_ends():
+    m = parse("<x/> People <b>sit in <x/> chairs</b>.")
+    assert restore(m, "Leute sitzen auf Stühlen.", [(0, 0), (1, 1), (2, 3)]).text == \
+        "<x/> Leute <b>sitzen auf Stühlen <x/></b>."
+
+
 def test_no_alignment_places_by_position():
     source = "<b>one two</b> three <i>four</i><br/>"
     m = parse(source)

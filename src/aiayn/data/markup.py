@@ -621,8 +621,12 @@ def _join(pieces: list[tuple[str, int | str]], items: tuple[Item, ...]) -> str:
                     spaced.add(k)
                 if (not it.word_after) if k == len(run) - 1 and next_word else it.space_after:
                     spaced.add(k + 1)
-        spaced -= {0} if not prev_word else set()
-        spaced -= {len(run)} if not next_word else set()
+        if not prev_word:  # no space at the start, before only opening tags
+            spaced -= {k for k in range(len(run) + 1)
+                       if all(kind == "open" for kind, _ in run[:k])}
+        if not next_word:  # nor at the end or before glued punctuation, after only closing
+            spaced -= {k for k in range(len(run) + 1)
+                       if all(kind == "close" for kind, _ in run[k:])}
         if prev_word and next_word:  # a space where the first tag that had one has it,
             asked = [k if kind == "open" else k + 1 for k, (kind, x) in enumerate(run)
                      if (kind == "open" and items[x].space_before)
