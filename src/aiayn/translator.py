@@ -315,7 +315,7 @@ class Translator:
                  progress: bool = False, warn: Callable[[str], None] | None = None,
                  workers: int | str | None = None,
                  target_prefix: Sequence[str | None] | None = None, alternatives: bool = False,
-                 constraints=None, alignments: bool = False,
+                 markup=False, constraints=None, alignments: bool = False,
                  **engine: Any) -> list[list[Any]]:
         """Translate ``lines``: for each, up to ``nbest``
         :class:`~aiayn.decoding.Translation` objects (text, score, log_prob, tokens), best
@@ -340,6 +340,11 @@ class Translator:
             alternatives: with ``nbest`` k, the k best tokens after the prefix, each
                 continued by the search (CTranslate2's ``return_alternatives``); ``nbest``
                 may then exceed the beam.
+            markup: True or a :class:`~aiayn.data.markup.MarkupConfig`: each line's inline
+                tags and placeholders are taken out, the plain text translated, and they are
+                put back at the aligned target words, well-formed (:mod:`aiayn.data.markup`);
+                each translation's ``text`` holds them, its ``tokens`` are the plain text's.
+                Unbalanced tags: one warning naming the lines (or an error, as configured).
             constraints: per line, target phrases (text, read as the model's target side;
                 None or [] for none) its translation must hold: terminology constraints
                 placed by dynamic beam allocation (:mod:`aiayn.decoding.constraints`); lines
@@ -363,6 +368,15 @@ class Translator:
         """
         from aiayn.decoding import translate_nbest
 
+        if markup:  # tags and placeholders out, the plain text translated, put back
+            from aiayn.data.markup import generate_marked
+
+            return generate_marked(
+                self, self.generate, lines, markup, warn=warn or self.warn, beam_size=beam_size,
+                alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, batch_size=batch_size,
+                beam_rules=beam_rules, nbest=nbest, sampling=sampling, long_inputs=long_inputs,
+                preprocessed=preprocessed, progress=progress, workers=workers,
+                constraints=constraints, **engine)  # (alignments: always, for the markup)
         if long_inputs == "split":  # cut and joined around the search (generate_text)
             return self.generate_text(
                 lines, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
@@ -470,7 +484,8 @@ class Translator:
             lang: the source language for the sentence splitter (default ``data.src_lang``).
             options: as :meth:`generate` (``long_inputs`` excepted); a split line's
                 ``target_prefix`` goes to its first part (with ``alternatives``, every part
-                gives its alternatives, and the k-th ones are joined).
+                gives its alternatives, and the k-th ones are joined); ``markup`` is applied
+                to the whole line, before it is cut.
 
         Returns:
             A :class:`TextTranslations`: per line, up to ``nbest`` translations, and its count
@@ -480,6 +495,13 @@ class Translator:
             aiayn.errors.ConfigError: bad settings (naming them).
         """
         warn = warn or self.warn
+        if options.get("markup"):  # taken out before the lines are cut, put back after
+            from aiayn.data.markup import generate_marked
+
+            return generate_marked(self, self.generate_text, lines, options.pop("markup"),
+                                   warn=warn, lang=lang, nbest=nbest, preprocessed=preprocessed,
+                                   **options)
+        options.pop("markup", None)
         lines = list(lines)
         prefixes = options.pop("target_prefix", None)
         if prefixes is not None:  # the model's text, each on its line's first part

@@ -277,6 +277,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the start), each continued by the search, in that order "
                         "(CTranslate2's return_alternatives, for autocompletion); K may "
                         "exceed --beam")
+    p.add_argument("--markup", action="store_true",
+                   help="carry inline tags (<b>...</b>, <br/>) and placeholders ({name}, %%s, "
+                        "%%d, URLs, e-mail addresses, numbers) through translation: taken out, "
+                        "put back at the aligned words, well-formed; unbalanced tags are kept "
+                        "as written, with a note on stderr")
+    p.add_argument("--placeholder", action="append", default=None, metavar="REGEX",
+                   help="with --markup: also keep text matching this Python regular "
+                        "expression as it is (repeatable); 'none': not the default patterns")
     p.add_argument("--constraints", default=None, metavar="FILE",
                    help="terminology constraints, line-aligned with the input: target phrases "
                         "separated by tabs (an empty line for none), or JSON Lines "
@@ -316,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--alignments needs one sentence a line; --document gives one "
                         "translated document")
     check_decode_arguments(args)
+    markup = markup_settings(args)
     choose_device(args.device)
     to_file = args.output not in (None, "-")
     if to_file:  # before the whole input is decoded, not after
@@ -342,6 +351,8 @@ def run(args: argparse.Namespace) -> int:
     options = decode_options(args, nbest=args.nbest)
     if prefixes is not None or args.alternatives:
         options.update(target_prefix=prefixes, alternatives=args.alternatives)
+    if markup is not None:
+        options["markup"] = markup
     if constraints is not None:
         options["constraints"] = constraints
     if args.alignments:
@@ -383,6 +394,29 @@ def read_prefixes(args: argparse.Namespace, lines: int) -> list[str] | None:
                         f"the input {source} has {lines}: give one prefix line per input line "
                         "(an empty line for none)")
     return prefixes
+def markup_settings(args: argparse.Namespace):
+    """The :class:`~aiayn.data.markup.MarkupConfig` of ``--markup`` and ``--placeholder``
+    (None without ``--markup``).
+
+    Raises:
+        ConfigError: a bad pattern, ``--placeholder`` without ``--markup``, or ``--markup``
+            with ``--document``.
+    """
+    from aiayn.data.markup import DEFAULT_PLACEHOLDERS, MarkupConfig, Placeholder
+    from aiayn.errors import ConfigError
+
+    given = args.placeholder or []
+    if not args.markup:
+        if given:
+            raise ConfigError("--placeholder needs --markup")
+        return None
+    if args.document:
+        raise ConfigError("--markup reads one sentence a line; it does not go with --document")
+    defaults = () if "none" in given else DEFAULT_PLACEHOLDERS
+    return MarkupConfig(placeholders=(*defaults, *(Placeholder(p, "--placeholder")
+                                                   for p in given if p != "none")))
+
+
 def _alignment_field(t, args: argparse.Namespace) -> dict:
     """--json's ``alignment`` key (Pharaoh links) with --alignments; else nothing."""
     if not args.alignments:

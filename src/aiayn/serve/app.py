@@ -17,6 +17,9 @@ Endpoints:
   With ``"constraints": [["phrase", ...], [], ...]`` (one list per line), each line's
   translation holds its target phrases (:mod:`aiayn.decoding.constraints`); bad or
   impossible constraints answer 422 naming the line.
+  With ``"markup": true``, inline tags and placeholders are taken out before translation and
+  put back at the aligned words, well-formed (:mod:`aiayn.data.markup`); unbalanced tags
+  are carried as written, with a warning.
 * ``POST /document`` ``{"text": "...", "lang": "en", "beam": 4, "alpha": 0.6}``: plain text
   with paragraphs, cut into sentences (:mod:`aiayn.data.segment`), decoded as one batch
   (an over-long sentence in parts) and put back with its line breaks, blank lines and
@@ -98,6 +101,8 @@ class TranslateRequest(GuardOptions):
     alternatives: bool = Field(False, description="with nbest K: the K most likely tokens "
                                "after each prefix, each continued by the search (K may exceed "
                                "beam, up to the server's largest beam)")
+    markup: bool = Field(False, description="carry inline tags and placeholders through "
+                                            "translation (aiayn.data.markup)")
     constraints: list[list[str]] | None = Field(
         None, description="per line, target phrases its translation must hold ([] for none)")
     alignments: bool = Field(False, description="each translation's word alignment to its "
@@ -226,6 +231,8 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     The batcher starts and stops with the app's lifespan (stopping finishes every queued
     request first, then ends the processes).
     """
+    from aiayn.data.markup import copyable, parse_lines, restore_translations
+    from aiayn.decoding.constraints import merge_constraints
     from aiayn.data.segment import segment
     from aiayn.data.text import tokenized_input_warning
     from aiayn.decoding.guards import GUARD_FIELDS, guard_settings
@@ -376,7 +383,16 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 raise HTTPException(422, f"line {n} contains a line break: send one sentence "
                                          "per item of lines")
             check_chars(line, f"line {n}")
-        read = translator.preprocess(req.lines)  # preprocessed once, checked and decoded
+        marked, notes, wanted = None, [], req.constraints
+        if req.markup:  # tags and placeholders out (those to copy kept, as constraints)
+            if "copyable" not in state:
+                state["copyable"] = copyable(translator)
+            marked = parse_lines(req.lines, warn=notes.append, keep_copies=state["copyable"])
+            if any(m.constraints for m in marked) and (wanted is None
+                                                       or len(wanted) == len(marked)):
+                wanted = [ps or [] for ps in merge_constraints(
+                    wanted, [m.constraints for m in marked])]
+        read = translator.preprocess(req.lines if marked is None else [m.plain for m in marked])
         if not req.split_long:
             for n, line in enumerate(read, 1):
                 check_tokens(line, f"line {n}", max_len)
@@ -389,16 +405,16 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
             except PrefixError as err:
                 raise HTTPException(422, str(err)) from None
         phrases = None
-        if req.constraints is not None:
+        if wanted is not None:
             from aiayn.decoding.constraints import ConstraintError, check_request
 
             if req.alternatives:
                 raise HTTPException(422, "constraints and alternatives cannot be combined")
-            for n, given in enumerate(req.constraints, 1):
+            for n, given in enumerate(wanted, 1):
                 for k, phrase in enumerate(given, 1):
                     check_chars(phrase, f"constraint {k} of line {n}")
             try:
-                phrases = check_request(translator, read, req.constraints)
+                phrases = check_request(translator, read, wanted)
             except ConstraintError as err:
                 raise HTTPException(422, str(err)) from None
         key = (*search_settings(req.beam, req.alpha, 1 if req.alternatives else req.nbest),
@@ -408,16 +424,19 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
                 raise HTTPException(422, f"nbest {req.nbest} alternatives are more than this "
                                          f"server allows (at most {limits.max_beam})")
             key = (key[0], key[1], req.nbest, key[3], True)
+        sent = req.lines if marked is None else [m.plain for m in marked]
         results, parts, batch_lines = await decode_in_parts(
             read, key, prefixes=prefixes, constraints=phrases,
-            given=req.lines if req.alignments else None)
+            given=sent if req.alignments or marked is not None else None)
+        if marked is not None:
+            results = restore_translations(marked, results)
         return {"translations": [[{"text": t.text, "score": t.score, "log_prob": t.log_prob,
                                    **quality_json(t),
                                    **({"alignment": t.alignment and t.alignment.pharaoh()}
                                       if req.alignments else {})}
                                   for t in line] for line in results],
                 "beam": key[0], "alpha": key[1], "nbest": key[2], "batch_lines": batch_lines,
-                "parts": parts, "warnings": warnings(req.lines)}
+                "parts": parts, "warnings": warnings(req.lines) + notes}
 
     async def decode_in_parts(read: list[str], key, lang: str | None = None,
                               prefixes: list[str | None] | None = None,
