@@ -12,10 +12,34 @@ import torch
 torch.set_num_threads(1)
 
 
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Orders ``items`` file by file: files with more tests marked ``slow`` (processes of their
+    own, whole pipelines: 10-90 s each) first, the others after them, each file's tests in
+    their own order. scripts/test.sh hands whole files to pytest-xdist's workers in this order
+    (``--dist loadfile --no-loadscope-reorder``), so the long files start while many short
+    ones are left to even out the workers' ends; xdist's own order (most tests first) handed
+    out the long files, which hold few tests, last, and a worker ran the last of them alone."""
+    slow: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for n, item in enumerate(items):
+        path = item.nodeid.split("::", 1)[0]
+        first.setdefault(path, n)
+        slow[path] = slow.get(path, 0) + ("slow" in item.keywords)
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return -slow[path], first[path]
+
+    items.sort(key=key)  # stable: a file's tests keep their order
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``whole_machine`` time the machine (a probe of every core), so they must
     not share it: pytest-xdist's workers skip them, and scripts/test.sh runs them alone after
-    the parallel phase with AIAYN_WHOLE_MACHINE_ONLY=1, which selects only them."""
+    the parallel phase with AIAYN_WHOLE_MACHINE_ONLY=1, which selects only them. Under
+    pytest-xdist, files with slow tests come first (:func:`_slow_files_first`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _slow_files_first(items)
     if os.environ.get("AIAYN_WHOLE_MACHINE_ONLY"):
         others = [item for item in items if "whole_machine" not in item.keywords]
         if others:

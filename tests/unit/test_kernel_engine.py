@@ -117,30 +117,36 @@ print("ok", kernels.build_record()["kernel_cache"])
     assert len(lines) == 1 and "no writable numba cache" in lines[0], result.stderr
 
 
-@pytest.mark.slow
-def test_no_kernels_never_imports_numba_and_decodes_through_torch(unwritable):
-    """AIAYN_NO_KERNELS=1, in the same unwritable tree: numba is never imported, and an int8
-    copy decodes through torch's ops, silently."""
+@pytest.fixture(scope="module")
+def no_kernels(unwritable) -> subprocess.CompletedProcess:
+    """The int8 decode with AIAYN_NO_KERNELS=1, in the unwritable tree, numba asserted never
+    imported: torch's path, which the two tests below read (one child process for both)."""
     src, env = unwritable
     code = DECODE + "; import sys; assert 'numba' not in sys.modules, 'numba imported'"
-    result = run(code, {**env, "AIAYN_NO_KERNELS": "1"}, path=(src,), drop=NO_CACHE)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) and said(result) == []
+    return run(code, {**env, "AIAYN_NO_KERNELS": "1"}, path=(src,), drop=NO_CACHE)
 
 
 @pytest.mark.slow
-def test_without_numba_the_package_imports_and_decodes_through_torch(tmp_path):
+def test_no_kernels_never_imports_numba_and_decodes_through_torch(no_kernels):
+    """AIAYN_NO_KERNELS=1, in the same unwritable tree: numba is never imported, and an int8
+    copy decodes through torch's ops, silently."""
+    assert no_kernels.returncode == 0, no_kernels.stderr
+    assert json.loads(no_kernels.stdout) and said(no_kernels) == []
+
+
+@pytest.mark.slow
+def test_without_numba_the_package_imports_and_decodes_through_torch(tmp_path, no_kernels):
     """numba not installed (a sitecustomize makes ``import numba`` fail): one warning, no
-    kernel family enabled, and the same tokens as with AIAYN_NO_KERNELS=1."""
+    kernel family enabled, and the same tokens as with AIAYN_NO_KERNELS=1 (the child of
+    :func:`no_kernels`: the same source, copied)."""
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['numba'] = None\n")
     code = DECODE + "; from aiayn.model import kernels; assert not kernels.ENABLED"
     absent = run(code, path=(tmp_path, SRC))
     assert absent.returncode == 0, absent.stderr
     lines = said(absent)
     assert len(lines) == 1 and "numba could not be imported" in lines[0], absent.stderr
-    disabled = run(DECODE, {"AIAYN_NO_KERNELS": "1"})
-    assert disabled.returncode == 0, disabled.stderr
-    assert absent.stdout == disabled.stdout
+    assert no_kernels.returncode == 0, no_kernels.stderr
+    assert absent.stdout == no_kernels.stdout
 
 
 @pytest.mark.slow
