@@ -1,6 +1,6 @@
 """Markup carried through translation (issue 83, item 3): source sentences of a test set with
 tags inserted around random source spans (a fixed seed), translated with ``markup=True``
-(:mod:`aiayn.data.markup`) and without markup.
+(:mod:`aiayn.decoding.markup`) and without markup.
 
 Each sentence gets three tags: a ``<b>`` pair around 1-4 random words, an ``<i class="x">`` pair
 nested inside it or beside it (even odds; nested when there is no room beside), and a
@@ -78,7 +78,7 @@ def strip_tags(text: str) -> str:
 
 def complete(source: str, output: str) -> bool:
     """Every tag of ``source`` in ``output`` once, and ``output`` well-formed."""
-    from aiayn.data.markup import tags_of, well_formed
+    from aiayn.decoding.markup import tags_of, well_formed
 
     return well_formed(output) and sorted(tags_of(output)) == sorted(tags_of(source))
 
@@ -87,7 +87,7 @@ def main() -> None:
     import sacrebleu
 
     from aiayn import Translator
-    from aiayn.data.markup import MarkupConfig, copyable, parse, restore
+    from aiayn.decoding.markup import MarkupConfig, copyable, parse, restore
     from aiayn.evaluation.bleu import read_lines
 
     data = Path(os.environ.get("AIAYN_DATA_DIR", "data")) / "multi30k"

@@ -340,9 +340,9 @@ class Translator:
             alternatives: with ``nbest`` k, the k best tokens after the prefix, each
                 continued by the search (CTranslate2's ``return_alternatives``); ``nbest``
                 may then exceed the beam.
-            markup: True or a :class:`~aiayn.data.markup.MarkupConfig`: each line's inline
+            markup: True or a :class:`~aiayn.decoding.markup.MarkupConfig`: each line's inline
                 tags and placeholders are taken out, the plain text translated, and they are
-                put back at the aligned target words, well-formed (:mod:`aiayn.data.markup`);
+                put back at the aligned target words, well-formed (:mod:`aiayn.decoding.markup`);
                 each translation's ``text`` holds them, its ``tokens`` are the plain text's.
                 Unbalanced tags: one warning naming the lines (or an error, as configured).
             constraints: per line, target phrases (text, read as the model's target side;
@@ -369,7 +369,7 @@ class Translator:
         from aiayn.decoding import translate_nbest
 
         if markup:  # tags and placeholders out, the plain text translated, put back
-            from aiayn.data.markup import generate_marked
+            from aiayn.decoding.markup import generate_marked
 
             return generate_marked(
                 self, self.generate, lines, markup, warn=warn or self.warn, beam_size=beam_size,
@@ -496,7 +496,7 @@ class Translator:
         """
         warn = warn or self.warn
         if options.get("markup"):  # taken out before the lines are cut, put back after
-            from aiayn.data.markup import generate_marked
+            from aiayn.decoding.markup import generate_marked
 
             return generate_marked(self, self.generate_text, lines, options.pop("markup"),
                                    warn=warn, lang=lang, nbest=nbest, preprocessed=preprocessed,

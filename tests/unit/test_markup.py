@@ -1,4 +1,4 @@
-"""Markup and placeholders carried through translation (aiayn.data.markup, issue 83 item 3):
+"""Markup and placeholders carried through translation (aiayn.decoding.markup, issue 83 item 3):
 parsing, putting back on hand-made alignments (every output well-formed, checked with the
 standard library's XML parser), unbalanced tags, and the faces."""
 
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from aiayn.data.markup import (
+from aiayn.decoding.markup import (
     DEFAULT_PLACEHOLDERS,
     MarkupConfig,
     MarkupError,

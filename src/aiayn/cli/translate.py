@@ -395,14 +395,14 @@ def read_prefixes(args: argparse.Namespace, lines: int) -> list[str] | None:
                         "(an empty line for none)")
     return prefixes
 def markup_settings(args: argparse.Namespace):
-    """The :class:`~aiayn.data.markup.MarkupConfig` of ``--markup`` and ``--placeholder``
+    """The :class:`~aiayn.decoding.markup.MarkupConfig` of ``--markup`` and ``--placeholder``
     (None without ``--markup``).
 
     Raises:
         ConfigError: a bad pattern, ``--placeholder`` without ``--markup``, or ``--markup``
             with ``--document``.
     """
-    from aiayn.data.markup import DEFAULT_PLACEHOLDERS, MarkupConfig, Placeholder
+    from aiayn.decoding.markup import DEFAULT_PLACEHOLDERS, MarkupConfig, Placeholder
     from aiayn.errors import ConfigError
 
     given = args.placeholder or []

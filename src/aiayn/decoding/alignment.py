@@ -257,7 +257,7 @@ def cross_attention(model, sources: Sequence[Sequence[int]], outputs: Sequence[S
         batch_size: pairs per forward pass.
     """
     from aiayn.data.batching import pad_sources
-    from aiayn.viz.attention import record_attention
+    from aiayn.model.recording import record_attention
 
     device = next(model.parameters()).device
     start = model.config.decoder_start_id

@@ -471,9 +471,9 @@ def read_constraints(path: str | Path, n_lines: int) -> list[list[str] | None]:
     Raises:
         DataError: an unreadable file, bad JSON, a wrong line count (naming file and line).
     """
-    from aiayn.evaluation.bleu import read_lines
+    from aiayn.data.corpus import read_lines
 
-    lines = read_lines(str(path))
+    lines = read_lines(str(path), strip=False)
     is_json = Path(path).suffix in (".jsonl", ".json") or (
         bool(lines) and lines[0].lstrip().startswith("{"))
     if len(lines) != n_lines:
@@ -507,10 +507,10 @@ def read_glossary(path: str | Path) -> list[tuple[str, str]]:
     Raises:
         DataError: a line without exactly one tab or with an empty side (naming file, line).
     """
-    from aiayn.evaluation.bleu import read_lines
+    from aiayn.data.corpus import read_lines
 
     entries = []
-    for n, line in enumerate(read_lines(str(path)), 1):
+    for n, line in enumerate(read_lines(str(path), strip=False), 1):
         if not line.strip() or line.startswith("#"):
             continue
         parts = line.split("\t")

@@ -18,7 +18,7 @@ Endpoints:
   translation holds its target phrases (:mod:`aiayn.decoding.constraints`); bad or
   impossible constraints answer 422 naming the line.
   With ``"markup": true``, inline tags and placeholders are taken out before translation and
-  put back at the aligned words, well-formed (:mod:`aiayn.data.markup`); unbalanced tags
+  put back at the aligned words, well-formed (:mod:`aiayn.decoding.markup`); unbalanced tags
   are carried as written, with a warning.
 * ``POST /document`` ``{"text": "...", "lang": "en", "beam": 4, "alpha": 0.6}``: plain text
   with paragraphs, cut into sentences (:mod:`aiayn.data.segment`), decoded as one batch
@@ -102,7 +102,7 @@ class TranslateRequest(GuardOptions):
                                "after each prefix, each continued by the search (K may exceed "
                                "beam, up to the server's largest beam)")
     markup: bool = Field(False, description="carry inline tags and placeholders through "
-                                            "translation (aiayn.data.markup)")
+                                            "translation (aiayn.decoding.markup)")
     constraints: list[list[str]] | None = Field(
         None, description="per line, target phrases its translation must hold ([] for none)")
     alignments: bool = Field(False, description="each translation's word alignment to its "
@@ -231,7 +231,7 @@ def create_app(translator, limits: ServeLimits | None = None) -> FastAPI:
     The batcher starts and stops with the app's lifespan (stopping finishes every queued
     request first, then ends the processes).
     """
-    from aiayn.data.markup import copyable, parse_lines, restore_translations
+    from aiayn.decoding.markup import copyable, parse_lines, restore_translations
     from aiayn.decoding.constraints import merge_constraints
     from aiayn.data.segment import segment
     from aiayn.data.text import tokenized_input_warning
