@@ -229,8 +229,8 @@ def test_a_prefix_wins_over_a_guard_that_bans_its_tokens(trained):
     and each output begins with the prefix's tokens, with a finite score."""
     model, vocab, sources, _ = trained
     translator = Translator(model, vocab, precision="fp32")
-    word = vocab.decode(vocab.encode(read_lines_first_word(sources)))
-    prefixes = [f"{word} {word}"] * 2
+    word = sources[0].split()[0]
+    prefixes = [f"{word} {word}"] * 2  # its tokens twice: the guard bans the second time
     for beam_size in (1, 4):
         got = translator.generate(sources[:2], target_prefix=prefixes, beam_size=beam_size,
                                   no_repeat_ngram_size=1, **OPTIONS)
@@ -239,8 +239,3 @@ def test_a_prefix_wins_over_a_guard_that_bans_its_tokens(trained):
             assert out[0].tokens[: len(ids)] == ids
             assert out[0].log_prob > NEG_INF
 
-
-def read_lines_first_word(sources):
-    """A word the model's vocabulary holds as one token: the first word of the first source
-    that does."""
-    return next(w for s in sources for w in s.split())

@@ -45,9 +45,10 @@ class SearchState:
         max_lens: long (n,), the tokens each live row may generate before its forced EOS.
         rows: long (n,), the sentence of each live row: its index in the search's input
             (0..B-1), so a per-sentence rule (a prefix, a constraint) finds its sentence's
-            data; None where the caller did not say (a hand-made state).
+            data. The searches fill it (and ``tokens``) only when the caller gives
+            processors; None otherwise (and in a hand-made state).
         tokens: long (n, t), the token ids each live row has generated so far (not the
-            step's columns), oldest first; None where the caller did not say.
+            step's columns), oldest first; None as ``rows``.
         token_ids: long (V',), the token of each of the step's columns (its ``token_ids``);
             None where column j is token j. A rule that bans or forces a token maps its id
             to a column with it.
@@ -311,7 +312,9 @@ def greedy_search(
     out_logp = [0.0] * B
     history: list[Tensor] = []  # (n_t,) chosen tokens per step, rows aligned with `rows` then
     history_rows: list[Tensor] = []
-    seq = torch.empty(B, 0, dtype=torch.long, device=device)  # (n, t) the live rows' tokens
+    # (n, t) the live rows' tokens, kept only for the caller's processors (the length rules
+    # read none of it): no work is added to the loop when there are none
+    seq = torch.empty(B, 0, dtype=torch.long, device=device) if processors else None
     t = 0
     while rows.numel() > 0:
         if stats is not None:
@@ -327,14 +330,16 @@ def greedy_search(
         chosen = column if ids is None else ids[column]
         history.append(chosen)
         history_rows.append(rows)
-        seq = torch.cat([seq, chosen[:, None]], dim=1)
+        if seq is not None:
+            seq = torch.cat([seq, chosen[:, None]], dim=1)
         done = chosen == EOS_ID
         if bool(done.any()):
             for r, lp in zip(rows[done].tolist(), log_prob[done].tolist()):
                 out_logp[r] = lp
             keep = (~done).nonzero().squeeze(1)
             rows, lens, log_prob, chosen = rows[keep], lens[keep], log_prob[keep], chosen[keep]
-            seq = seq[keep]
+            if seq is not None:
+                seq = seq[keep]
             if rows.numel() > 0:
                 step = step.select(keep)
         tokens = chosen
@@ -445,9 +450,12 @@ def beam_search(
         if stats is not None:
             stats.count(last.shape[0])
         per = last.shape[0] // n  # rows per sentence: 1 on the first step, then K
-        state = SearchState(t, lens.repeat_interleave(per), sentence.repeat_interleave(per),
-                            live_tokens.reshape(n * per, t) if per == K
-                            else live_tokens[:, 0], ids)
+        if processors:  # rows and tokens are for the caller's processors only
+            state = SearchState(t, lens.repeat_interleave(per), sentence.repeat_interleave(per),
+                                live_tokens.reshape(n * per, t) if per == K
+                                else live_tokens[:, 0], ids)
+        else:
+            state = SearchState(t, lens.repeat_interleave(per), token_ids=ids)
         logp = apply_processors(step.log_probs(last), score_rules, state)  # (n*K or n, V)
         V = logp.shape[-1]
         # on step 0, one row per sentence: its beams 1..K-1 are not alive yet (-inf)
