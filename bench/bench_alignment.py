@@ -67,7 +67,7 @@ def aer(found: list, gold: list[set]) -> tuple[float, int]:
 
 
 def main() -> None:
-    from sacrebleu.metrics import BLEU
+    from aiayn.evaluation.bleu import sacrebleu_scores
 
     from aiayn import Translator
     from aiayn.decoding.alignment import alignment_head
@@ -101,15 +101,14 @@ def main() -> None:
                 src, ref = src[:limit], ref[:limit]
             out = tr.generate(src, long_inputs="split", alignments=True)
             hyps = [ts[0].text for ts in out]
-            metric = BLEU()
-            bleu = metric.corpus_score(hyps, [ref])
+            bleu = sacrebleu_scores(hyps, ref)
             gold_ref = [gold_links(s, r) for s, r in zip(src, ref)]
             gold_hyp = [gold_links(s, h) for s, h in zip(src, hyps)]
             keep = [n for n, s in enumerate(src)
                     if len(tr.vocab.encode(s)) < tr.max_source_tokens
                     and len(tr.vocab.encode(ref[n])) < tr.max_source_tokens]
             row = {"model": path, "set": name, "sentences": len(src),
-                   "bleu": round(bleu.score, 2), "bleu_signature": str(metric.get_signature()),
+                   "bleu": round(bleu["bleu"], 2), "bleu_signature": bleu["bleu_signature"],
                    "default_layer": list(alignment_head(tr.config))}
             # the output's own alignments (default layer), as `aiayn translate` writes them
             row["aer_output"], row["gold_output"] = aer([ts[0].alignment for ts in out],

@@ -39,11 +39,10 @@ def group(lines: list[str], sizes: list[int]) -> list[str]:
 
 
 def main() -> None:
-    import sacrebleu
 
     from aiayn import Translator
     from aiayn.data.segment import segment
-    from aiayn.evaluation.bleu import read_lines
+    from aiayn.evaluation.bleu import read_lines, sacrebleu_scores
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--checkpoint", required=True)
@@ -83,10 +82,9 @@ def main() -> None:
     identical = sum(doc_of.get(sp) == t for sp, t in zip(spans, by_line))
 
     ref_paras = group(ref, sizes)
-    bleu = sacrebleu.BLEU()
-    bleu_doc = bleu.corpus_score(out_paras, [ref_paras])
-    bleu_lines = bleu.corpus_score(group(by_line, sizes), [ref_paras])
-    bleu_sent = bleu.corpus_score(by_line, [ref])
+    bleu_doc = sacrebleu_scores(out_paras, ref_paras)
+    bleu_lines = sacrebleu_scores(group(by_line, sizes), ref_paras)
+    bleu_sent = sacrebleu_scores(by_line, ref)
     report = {
         "sentences": len(src), "paragraphs": len(sizes),
         "segments_found": len(doc.spans),
@@ -95,10 +93,10 @@ def main() -> None:
         "segments_per_paragraph": per_para,
         "one_translation_per_segment": len(result.translations) == len(doc.spans),
         "identical_translation_share": round(identical / len(src), 4),
-        "bleu_paragraphs_document": round(bleu_doc.score, 2),
-        "bleu_paragraphs_lines": round(bleu_lines.score, 2),
-        "bleu_sentences_lines": round(bleu_sent.score, 2),
-        "signature": str(bleu.get_signature()),
+        "bleu_paragraphs_document": round(bleu_doc["bleu"], 2),
+        "bleu_paragraphs_lines": round(bleu_lines["bleu"], 2),
+        "bleu_sentences_lines": round(bleu_sent["bleu"], 2),
+        "signature": bleu_doc["bleu_signature"],
         "checkpoint": args.checkpoint, "beam": args.beam or translator.decode_config.beam_size,
     }
     if args.json:

@@ -76,7 +76,6 @@ def share(counts: dict[str, int], total: int) -> dict[str, float]:
 
 
 def main() -> None:
-    import sacrebleu
 
     from aiayn import Translator
     from aiayn.decoding.quality import FLAGS, assess, flag_counts, length_ratio_range
@@ -118,13 +117,13 @@ def main() -> None:
         assess(t.tokens, t.log_prob, t.text, line, n, 10**6, rng)
     assess_s = time.perf_counter() - t0
 
-    bleu = sacrebleu.metrics.BLEU()
+    from aiayn.evaluation.bleu import sacrebleu_scores
 
     def bleu_of(idx: list[int]) -> float | None:
         if not idx:
             return None
-        return round(bleu.corpus_score([test[i].text for i in idx], [[ref[i] for i in idx]])
-                     .score, 2)
+        return round(sacrebleu_scores([test[i].text for i in idx], [ref[i] for i in idx])
+                     ["bleu"], 2)
 
     flagged = [i for i, t in enumerate(test) if t.flags]
     clean = [i for i, t in enumerate(test) if not t.flags]
@@ -144,7 +143,7 @@ def main() -> None:
             "mean_confidence_unflagged": round(sum(test[i].confidence for i in clean)
                                                / max(1, len(clean)), 3),
         },
-        "bleu_signature": str(bleu.get_signature()),
+        "bleu_signature": sacrebleu_scores([t.text for t in test], ref)["bleu_signature"],
         "length_range": [round(rng.low, 4), round(rng.high, 4), where],
         "decode_s": round(decode_s, 1), "assess_s": round(assess_s, 4),
         "known_bad": {},

@@ -84,11 +84,10 @@ def complete(source: str, output: str) -> bool:
 
 
 def main() -> None:
-    import sacrebleu
 
     from aiayn import Translator
     from aiayn.decoding.markup import MarkupConfig, copyable, parse, restore
-    from aiayn.evaluation.bleu import read_lines
+    from aiayn.evaluation.bleu import read_lines, sacrebleu_scores
 
     data = Path(os.environ.get("AIAYN_DATA_DIR", "data")) / "multi30k"
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,7 +134,10 @@ def main() -> None:
         aligned, fallback = aligned + r.aligned, fallback + r.fallback
         same_text += m.plain == s
 
-    bleu = sacrebleu.BLEU()
+
+    def bleu(hyps: list[str], refs: list[str]) -> float:
+        return round(sacrebleu_scores(hyps, refs)["bleu"], 2)
+
     tags = sum(len(re.findall(r"<[a-z]", t)) for t in tagged)
     pairs = sum(t.count("</") for t in tagged)
     report = {
@@ -150,22 +152,18 @@ def main() -> None:
             for src_line, out, found in ((s, o, [it.text for it in parse(s, config).items
                                                  if it.kind == "placeholder"])
                                          for s, o in zip(src, marked_out))) / len(src), 4),
-        "markup_bleu_stripped_vs_untagged": round(bleu.corpus_score(
-            [strip_tags(t) for t in marked_out], [plain_out]).score, 2),
+        "markup_bleu_stripped_vs_untagged": bleu([strip_tags(t) for t in marked_out], plain_out),
         "markup_identical_stripped_share": round(sum(
             strip_tags(t) == " ".join(u.split()) for t, u in zip(marked_out, plain_out))
             / len(src), 4),
         **({} if naive_out is None else {
             "naive_complete_well_formed_share": round(
                 sum(map(complete, tagged, naive_out)) / len(src), 4),
-            "naive_bleu_stripped_vs_untagged": round(bleu.corpus_score(
-                [strip_tags(t) for t in naive_out], [plain_out]).score, 2),
-            "bleu_naive_stripped_vs_ref": round(bleu.corpus_score(
-                [strip_tags(t) for t in naive_out], [ref]).score, 2)}),
-        "bleu_untagged_vs_ref": round(bleu.corpus_score(plain_out, [ref]).score, 2),
-        "bleu_markup_stripped_vs_ref": round(bleu.corpus_score(
-            [strip_tags(t) for t in marked_out], [ref]).score, 2),
-        "signature": str(bleu.get_signature()),
+            "naive_bleu_stripped_vs_untagged": bleu([strip_tags(t) for t in naive_out], plain_out),
+            "bleu_naive_stripped_vs_ref": bleu([strip_tags(t) for t in naive_out], ref)}),
+        "bleu_untagged_vs_ref": bleu(plain_out, ref),
+        "bleu_markup_stripped_vs_ref": bleu([strip_tags(t) for t in marked_out], ref),
+        "signature": sacrebleu_scores(plain_out, ref)["bleu_signature"],
         "checkpoint": args.checkpoint, "beam": args.beam or translator.decode_config.beam_size,
         "seed": args.seed, "example": [tagged[0], marked_out[0]],
         "stripped_differs": [[t, o, u] for t, o, u in zip(tagged, marked_out, plain_out)
