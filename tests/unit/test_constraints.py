@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from test_search import A, B_, RandomStep, StubStep, tiny_model  # tests/unit is on sys.path
+from test_search import A, B_, RandomStep, StubStep, caption_vocab, tiny_model  # tests/unit is on sys.path
 
 from aiayn.data.vocab import EOS_ID, UNK_ID, Vocabulary
 from aiayn.decoding import beam_search
@@ -130,11 +130,7 @@ def test_the_length_limit_is_the_fallback():
 
 @pytest.fixture(scope="module")
 def vocab() -> Vocabulary:
-    texts = ["a man is walking down the street with a dog",
-             "two children play football in the park",
-             "ein mann geht mit einem hund die straße entlang",
-             "zwei kinder spielen fußball im park"] * 10
-    return Vocabulary.learn(texts, 80)
+    return caption_vocab()
 
 
 @pytest.fixture(scope="module")

@@ -161,13 +161,19 @@ def test_large_beam_finds_exhaustive_best(alpha):
     assert scored[0][0] - scored[1][0] > 1e-3  # the optimum is not a float tie
 
 
-@pytest.fixture(scope="module")
-def vocab() -> Vocabulary:
+def caption_vocab() -> Vocabulary:
+    """An 80-token vocabulary of four short English and German captions (the real tiny
+    models' tests share it)."""
     texts = ["a man is walking down the street with a dog",
              "two children play football in the park",
              "ein mann geht mit einem hund die straße entlang",
              "zwei kinder spielen fußball im park"] * 10
     return Vocabulary.learn(texts, 80)
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocabulary:
+    return caption_vocab()
 
 
 @pytest.fixture(scope="module")
