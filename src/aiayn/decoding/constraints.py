@@ -58,6 +58,7 @@ from aiayn.decoding.search import (
     StepFunction,
     _best_extensions,
     apply_processors,
+    check_beam_settings,
     length_penalty,
 )
 from aiayn.errors import ConfigError, DataError
@@ -185,11 +186,7 @@ def constrained_beam_search(
     B = max_lens.shape[0]
     if len(constraints) != B:
         raise ValueError(f"{len(constraints)} constraint lists for {B} sentences")
-    if beam_size < 1 or not 1 <= nbest <= beam_size or alpha < 0:
-        raise ValueError(f"bad search settings: beam_size={beam_size}, nbest={nbest}, "
-                         f"alpha={alpha}")
-    if rules not in ("t2t", "hf"):
-        raise ValueError(f"rules must be 't2t' or 'hf', got {rules!r}")
+    check_beam_settings(beam_size, alpha, nbest, rules)
     K = beam_size
     device = max_lens.device
     ids = step.token_ids

@@ -266,6 +266,23 @@ def _check_lens(max_lens: Tensor, min_len: int) -> None:
                          f"min_len={min_len}")
 
 
+def check_beam_settings(beam_size: int, alpha: float, nbest: int, rules: str) -> None:
+    """The settings every beam search takes, checked once for all of them.
+
+    Raises:
+        ValueError: beam_size < 1, nbest outside [1, beam_size], alpha < 0 (the early
+            termination of §6.1 relies on lp growing with length), or rules not "t2t"/"hf".
+    """
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if not 1 <= nbest <= beam_size:
+        raise ValueError(f"nbest must be in [1, beam_size={beam_size}], got {nbest}")
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0 (early termination relies on it), got {alpha}")
+    if rules not in ("t2t", "hf"):
+        raise ValueError(f"rules must be 't2t' or 'hf', got {rules!r}")
+
+
 def greedy_search(
     step: StepFunction,
     max_lens: Tensor,
@@ -420,14 +437,7 @@ def beam_search(
         ValueError: bad beam_size, alpha, nbest or lengths.
     """
     _check_lens(max_lens, min_len)
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be in [1, beam_size={beam_size}], got {nbest}")
-    if alpha < 0:
-        raise ValueError(f"alpha must be >= 0 (early termination relies on it), got {alpha}")
-    if rules not in ("t2t", "hf"):
-        raise ValueError(f"rules must be 't2t' or 'hf', got {rules!r}")
+    check_beam_settings(beam_size, alpha, nbest, rules)
     K = beam_size
     B = max_lens.shape[0]
     device = max_lens.device
@@ -698,6 +708,6 @@ def max_output_lengths(src_lengths: Tensor, max_len_a: float, max_len_b: int,
 __all__ = [
     "CachedStep", "DecodeStats", "EnsembleStep", "Hypothesis", "LengthRules", "SamplingConfig",
     "ScoreProcessor", "SearchState", "StepFunction", "UncachedStep", "apply_processors",
-    "beam_search", "choose_greedy", "greedy_search", "length_penalty", "max_output_lengths",
-    "same_columns",
+    "beam_search", "check_beam_settings", "choose_greedy", "greedy_search", "length_penalty",
+    "max_output_lengths", "same_columns",
 ]
