@@ -13,6 +13,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tiny test models: one thread i
 # fixtures are built once, the files handed out in tests/conftest.py's order (files with slow
 # tests first: --no-loadscope-reorder keeps it); AIAYN_TEST_WORKERS=0 runs in one process
 workers="${AIAYN_TEST_WORKERS:-logical}"
+# the numba kernels compiled once, before the workers start: in a fresh clone each worker (and
+# each child it starts) would otherwise compile the ones it meets first, several at once, about
+# 50 CPU-s each (docs/kernels.md#compiling-ahead); nothing to do where they are cached already,
+# where numba is missing or AIAYN_NO_KERNELS=1
+.venv/bin/python -c "from aiayn.model.quantize import warm_up; warm_up()"
 .venv/bin/python -m pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder tests "$@"
 # then the tests that time the machine (marked whole_machine, skipped by the workers), alone,
 # from the files that mention the mark (collecting all of tests/ again took ~20 CPU-s);

@@ -176,6 +176,46 @@ print(len(PRODUCT_PATHS))
                    for line in maps), (path, maps)
 
 
+#: a numba cache folder that ``quantize.warm_up()`` alone filled (.ci/run's kernel lane sets it)
+WARMED = "AIAYN_WARMED_NUMBA_CACHE"
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_every_kernel_a_decode_then_runs(tmp_path):
+    """``quantize.warm_up()`` (what scripts/test.sh and .ci/run run before the tests, and a
+    container build may run) leaves nothing for a decode to compile: over a copy of a numba
+    cache that warm_up() alone filled, a process decodes the tiny model greedily in fp32 and
+    in int8 and finds every kernel it calls there (no dispatcher of the kernel package counts
+    a cache miss). Found this way: the bfloat16 encoder keys of an int8 copy's
+    cross-attention step were compiled at first use. Filling an empty cache costs about 80
+    CPU-s, so the test runs where one is given: .ci/run's kernel lane snapshots the cache its
+    warm-up wrote (``AIAYN_WARMED_NUMBA_CACHE``)."""
+    warmed = os.environ.get(WARMED)
+    if not warmed:
+        pytest.skip(f"needs {WARMED}, a numba cache that warm_up() alone filled (.ci/run's "
+                    "kernel lane)")
+    shutil.copytree(warmed, tmp_path / "cache")
+    code = """
+import json, sys
+from numba.core.dispatcher import Dispatcher
+import test_kernel_engine as t
+from test_search import tiny_model
+m = tiny_model(60, seed=3)
+t.greedy(m)
+t.greedy(t.int8_model())
+found = {id(f): (n, f) for name, mod in list(sys.modules.items())
+         if name.startswith("aiayn.model.kernels") for n, f in vars(mod).items()
+         if isinstance(f, Dispatcher)}
+print(json.dumps([[n, len(found)] for n, f in found.values() if sum(f.stats.cache_misses.values())]
+                 + [["dispatchers", len(found)]]))
+"""
+    result = run(code, {"NUMBA_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr
+    *missed, (_, count) = json.loads(result.stdout)
+    assert count > 10, result.stdout  # the kernel package's dispatchers were found
+    assert missed == [], f"compiled at first use after warm_up(): {missed}"
+
+
 @pytest.mark.slow
 def test_the_avx2_variant_runs_a_whole_int8_decode_on_any_avx2_machine():
     """AIAYN_FORCE_ISA=avx2 on a VNNI machine: the AVX2 class's 7-bit weight grid and its

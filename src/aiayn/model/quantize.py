@@ -354,6 +354,20 @@ def weight_packing(in_features: int, out_features: int) -> tuple | None:
     return None if plan in ([], [(_EVERY, "int_mm")]) else tuple(plan)
 
 
+def warm_up() -> None:
+    """Compile (or load from numba's on-disk cache) every kernel an int8 decode runs, now
+    rather than at first use: the kernel families (:func:`aiayn.model.kernels.warm_up`) and
+    aiayn's u8 x s8 product in this machine's variant (through one map's product plan,
+    :func:`weight_packing`). For a container image built ahead of its first request, or a
+    test run whose workers should load the kernels rather than each compile them. Nothing to
+    do where numba is missing or ``AIAYN_NO_KERNELS=1``; a family or product that fails to
+    compile is left to torch with one warning, as at first use."""
+    if not kernels.AVAILABLE:
+        return
+    kernels.warm_up()
+    weight_packing(256, 256)
+
+
 def describe_plan(plan: tuple | None) -> str:
     """A plan of :func:`weight_packing` in words, e.g. "u8s8 up to 32 rows, fbgemm up to
     128, int_mm above" (the u8s8 variant named)."""

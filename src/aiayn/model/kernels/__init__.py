@@ -104,9 +104,11 @@ def _warm_int8() -> None:
         _rescale_add(acc, xs, ws, ws, True, f4)
         _rescale_add_norm(acc, xs, ws, ws, True, f4, ws, ws, np.float32(1e-6))
         _rescale_quantize(acc, xs, ws, ws, True, True, 127)
-        _cross_attention_step(acc, xs, ws, ws, True, 1, 4, 4, ws, ws,
-                              np.array([0, 4, 4, 4, 1, 0, 4, 4, 4], np.int64),
-                              np.ones(1, np.int64), 2, np.float32(0.5), _NO_ROWS, 127)
+        # the encoder's keys and values in float32 and, as an int8 copy keeps them, bfloat16
+        for kv in (ws, np.zeros(4, np.uint16)):
+            _cross_attention_step(acc, xs, ws, ws, True, 1, 4, 4, kv, kv,
+                                  np.array([0, 4, 4, 4, 1, 0, 4, 4, 4], np.int64),
+                                  np.ones(1, np.int64), 2, np.float32(0.5), _NO_ROWS, 127)
         acc3 = np.ones((2, 12), acc.dtype)
         w3 = np.ones(12, np.float32)
         buf = np.zeros((2, 1, 3, 4), np.float32)
