@@ -361,7 +361,14 @@ def warm_up() -> None:
     :func:`weight_packing`). For a container image built ahead of its first request, or a
     test run whose workers should load the kernels rather than each compile them. Nothing to
     do where numba is missing or ``AIAYN_NO_KERNELS=1``; a family or product that fails to
-    compile is left to torch with one warning, as at first use."""
+    compile is left to torch with one warning, as at first use. Not the paper's: an engine
+    detail (numba compiles each kernel per argument types, about 50 CPU-s for all of them
+    on the bf16 class, docs/kernels.md#compiling-ahead).
+
+    Raises:
+        ConfigError: ``AIAYN_INT8_PRODUCT`` names no path, or one that cannot run here
+            (:func:`forced_product`, :func:`weight_packing`).
+    """
     if not kernels.AVAILABLE:
         return
     kernels.warm_up()
