@@ -150,7 +150,7 @@ def test_the_int8_products_are_exact_on_this_cpu():
 def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind, monkeypatch,
                                                                     request):
     """Where this machine's oneDNN or FBGEMM gives exact sums over a prepacked int8 weight
-    (weight_packed_faster and weight_fbgemm_rows check that before they time anything), or
+    (quantize.product_times checks that before it times anything), or
     aiayn's u8s8 kernel can run (x86-64 with AVX2; its map made with 7-bit weights, as on a
     CPU without VNNI), the packed product's outputs equal ``torch._int_mm``'s bit for bit,
     with bias and relu, at 1, 17 and 300 rows, in a deep copy (which packs its own weight:
@@ -203,7 +203,7 @@ def test_a_packed_weight_gives_the_unpacked_maps_outputs_bit_for_bit(kind, monke
 
 def test_a_packed_product_far_slower_than_int_mm_is_screened_out_in_two_calls(monkeypatch):
     """Where oneDNN runs its reference code for the packed int8 product (the family-26 EPYC:
-    thousands of times slower than ``torch._int_mm``), weight_packed_faster says no after
+    thousands of times slower than ``torch._int_mm``), product_times leaves it out after
     one exactness call and one screening call, both on 4 rows: it never runs the 32- or
     256-row products nor the five rounds. Here the packed product is made slow by a sleep
     after the real one (the sums stay exact, so only the screen can reject it)."""
@@ -222,11 +222,13 @@ def test_a_packed_product_far_slower_than_int_mm_is_screened_out_in_two_calls(mo
         return out
 
     monkeypatch.setattr(quantize, "_packed_product", slow)
-    quantize.weight_packed_faster.cache_clear()
+    quantize.product_times.cache_clear()
     try:
-        assert quantize.weight_packed_faster(320, 96) is False
+        times = quantize.product_times(320, 96)
     finally:
-        quantize.weight_packed_faster.cache_clear()
+        quantize.product_times.cache_clear()
+    assert "int_mm" in times["torch"] and "onednn" not in times["torch"], times
+    assert "onednn" not in times["one_thread"]
     assert rows in ([4], [4, 4]), rows  # [4]: the exactness check itself failed here
 
 

@@ -404,6 +404,56 @@ def test_a_map_takes_each_path_of_its_plan_by_row_count_with_the_same_numbers(mo
         assert ran == ["u8s8", "u8s8", "fbgemm", "fbgemm"]  # 130 rows: torch._int_mm
 
 
+def test_a_plan_keeps_each_path_at_the_row_counts_where_it_wins(monkeypatch, request):
+    """weight_packing takes, at each probe row count, the fastest path of product_times
+    (a packed one only 5% ahead of its rival): the simulated AVX2 class's 512 x 8,003 output
+    map, level at 32 rows and 1.7x faster with aiayn's kernel at 128 (docs/benchmarks.md),
+    gets the kernel at every row count, FBGEMM on more torch threads at 128 and above and
+    torch._int_mm at 32; each product then runs the path its rows and threads say, with the
+    unpacked map's numbers. Paths within the margin everywhere give no plan at all."""
+    from aiayn.model import quantize
+    from aiayn.model.quantize import Int8Linear
+
+    if not kernels.u8s8_variants() or "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("needs aiayn's u8s8 kernel and FBGEMM")
+    monkeypatch.delenv("AIAYN_INT8_PRODUCT", raising=False)
+    monkeypatch.setattr(quantize, "weight_levels", lambda: 63)  # every variant sums it exactly
+    ms = {"int_mm": (2.2, 11.7, 23.0), "fbgemm": (2.2, 7.2, 14.0)}
+    one = {**ms, "u8s8": (1.96, 6.8, 13.0)}
+    monkeypatch.setattr(quantize, "product_times", lambda *shape: {"torch": ms, "one_thread": one})
+    every = 1 << 62
+    plan = quantize.weight_packing(96, 80)
+    assert plan == ((32, "u8s8"), (32, "int_mm"), (every, "u8s8"), (every, "fbgemm")), plan
+    assert quantize.describe_plan(plan).endswith(
+        "up to 32 rows (int_mm on more threads), u8s8 (avx2) above (fbgemm on more threads)"
+        if quantize.u8s8_variant() == "avx2" else "(fbgemm on more threads)")
+
+    torch.manual_seed(0)
+    q = Int8Linear.from_linear(torch.nn.Linear(96, 80))
+    xs = {m: torch.randn(m, 96) for m in (4, 40)}
+    q._set_packing(None)
+    with torch.inference_mode():
+        want = {m: q(x) for m, x in xs.items()}
+    q._set_packing(plan)
+    ran = []
+    real_u8s8, real_fb = kernels.u8s8_product, quantize._fbgemm_product
+    monkeypatch.setattr(kernels, "u8s8_product", lambda *a: ran.append("u8s8") or real_u8s8(*a))
+    monkeypatch.setattr(quantize, "_fbgemm_product", lambda *a: ran.append("fbgemm") or real_fb(*a))
+    request.addfinalizer(lambda n=torch.get_num_threads(): torch.set_num_threads(n))
+    for threads, paths in ((1, ["u8s8", "u8s8"]), (2, ["fbgemm"])):  # 4 rows on 2: int_mm
+        torch.set_num_threads(threads)
+        ran.clear()
+        with torch.inference_mode():
+            for m, x in xs.items():
+                assert torch.equal(q(x), want[m]), (threads, m)
+        assert ran == paths, (threads, ran)
+
+    level = {"int_mm": (1.0, 4.0, 8.0), "fbgemm": (0.97, 3.9, 7.8)}
+    monkeypatch.setattr(quantize, "product_times", lambda *shape: {
+        "torch": level, "one_thread": {**level, "u8s8": (0.96, 3.85, 7.7)}})
+    assert quantize.weight_packing(96, 80) is None
+
+
 def test_the_wrappers_refuse_mismatched_shapes_before_compiled_code_runs():
     """u8s8_product and attend check what compiled code would read out of bounds."""
     if not kernels.u8s8_variants():

@@ -156,56 +156,6 @@ def _probe_operands(in_features: int, out_features: int, rows: tuple[int, ...]
     return w, wt, xs
 
 
-#: the row counts at which :func:`weight_fbgemm_rows` times FBGEMM against torch._int_mm: a
-#: greedy step's 32 sentences, a beam-4 step's 128 rows, an encoder batch's tokens
-FBGEMM_PROBE_ROWS = (32, 128, 256)
-
-
-@functools.cache
-def weight_fbgemm_rows(in_features: int, out_features: int) -> int:
-    """Up to how many rows FBGEMM's int8 linear over a weight packed once
-    (:func:`_fbgemm_product`) runs this shape faster here than ``torch._int_mm`` in the layout
-    :func:`weight_columns_first` picks: 0 (never), one of :data:`FBGEMM_PROBE_ROWS`, or a
-    very large number (at every size measured). Both give the same exact sums, so a map may
-    take either path call by call, by its row count, without changing a number.
-
-    Measured once per shape and process: each path's fastest of five at each probe size;
-    FBGEMM must win by 10% at that size and every smaller one. Without VNNI (the AVX2 class)
-    ``torch._int_mm`` spent about a third of a 32-row product's time on a product of one row
-    (oneDNN appears to rework the whole weight at every call), while FBGEMM packs it once:
-    simulated on the family-26 EPYC (``FBGEMM_ENABLE_INSTRUCTIONS=AVX2``), 32 x 256 x 8,000
-    took 566 against 733 us, but 256 rows ran level (docs/benchmarks.md). On the bf16 class
-    it ran level or slower, but for a few of `base`'s maps at 32 rows. 0 where torch lacks
-    the engine or the op, it fails, or it gives other sums (checked on full-range inputs,
-    where an int16 pair sum would saturate: :func:`_probe_operands`)."""
-    if "fbgemm" not in torch.backends.quantized.supported_engines or not hasattr(
-            torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"):
-        return 0
-    w, wt, xs = _probe_operands(in_features, out_features, FBGEMM_PROBE_ROWS)
-    try:
-        packed = _pack_fbgemm(w)
-        for x in xs:
-            if not torch.equal(_fbgemm_product(x, packed), torch._int_mm(x, wt).float()):
-                return 0
-    except RuntimeError:  # pragma: no cover - a torch built without FBGEMM's kernels
-        return 0
-    return _rows_faster(xs, lambda x: torch._int_mm(x, wt),
-                        lambda x: _fbgemm_product(x, packed))
-
-
-def _rows_faster(xs: list[Tensor], other, path) -> int:
-    """Up to how many rows ``path(x)`` runs 10% faster than ``other(x)`` at each probe input
-    of ``xs`` (in :data:`FBGEMM_PROBE_ROWS`' row counts) and every smaller one, each the
-    fastest of five: 0, one of those counts, or a very large number (at every size)."""
-    rows = 0
-    for x in xs:
-        best = _fastest([lambda: other(x), lambda: path(x)])
-        if not best[1] < 0.9 * best[0]:
-            break
-        rows = x.shape[0]
-    return rows if rows < FBGEMM_PROBE_ROWS[-1] else 1 << 62
-
-
 def u8s8_variant() -> str | None:
     """The fastest variant of aiayn's u8 x s8 product
     (:func:`aiayn.model.kernels.u8s8_variants`) that sums this machine's int8 weights
@@ -217,42 +167,6 @@ def u8s8_variant() -> str | None:
 def _pack_u8s8(w8: Tensor) -> tuple:
     """:func:`aiayn.model.kernels.pack_u8s8` for :func:`u8s8_variant`."""
     return kernels.pack_u8s8(w8, u8s8_variant())
-
-
-@functools.cache
-def weight_u8s8_rows(in_features: int, out_features: int) -> int:
-    """Up to how many rows aiayn's own int8 product (:func:`aiayn.model.kernels.u8s8_product`
-    in :func:`u8s8_variant`, over a weight packed once) runs this shape faster here than the
-    path it would take otherwise (FBGEMM up to :func:`weight_fbgemm_rows`, ``torch._int_mm``
-    above): 0 (never), one of :data:`FBGEMM_PROBE_ROWS`, or a very large number (at every
-    size measured). All give the same exact sums, so a map may take either path call by
-    call, by its row count.
-
-    Measured once per shape and process, as :func:`weight_fbgemm_rows` measures, on one
-    torch thread: the kernel must win by 10% at that size and every smaller one. It runs on
-    one thread, so a map takes it only while torch runs on one (a decoding worker's,
-    :mod:`aiayn.decoding.workers`); with more, the product stays torch's. Where oneDNN packs
-    the weight again at every call, the kernel pays at decoding's few rows: on the
-    family-26 EPYC, one thread, 32 x 256 x 5,852 took 99 against 138 us ("vnni"), and
-    simulated without VNNI ("avx2"), 380 against 420 (FBGEMM); at 128 rows the "avx2"
-    variant runs level (docs/benchmarks.md)."""
-    variant = u8s8_variant()
-    if variant is None:
-        return 0
-    w, wt, xs = _probe_operands(in_features, out_features, FBGEMM_PROBE_ROWS)
-    packed = _exact_u8s8(w, wt, xs, variant)
-    if packed is None:
-        return 0
-    fbgemm = weight_fbgemm_rows(in_features, out_features)
-    fb = _pack_fbgemm(w) if fbgemm else None
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel runs on one thread, and only there (_product)
-    try:
-        return _rows_faster(xs, lambda x: (_fbgemm_product(x, fb) if x.shape[0] <= fbgemm
-                                           else torch._int_mm(x, wt)),
-                            lambda x: kernels.u8s8_product(x, *packed))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _exact_u8s8(w: Tensor, wt: Tensor, xs: list[Tensor], variant: str) -> tuple | None:
@@ -274,6 +188,111 @@ def _exact_u8s8(w: Tensor, wt: Tensor, xs: list[Tensor], variant: str) -> tuple 
                             (str(error).strip().splitlines() or [""])[0])
         return None
     return packed
+
+
+#: the row counts at which :func:`product_times` times each product path: a greedy step's 32
+#: sentences, a beam-4 step's 128 rows, an encoder batch's tokens
+PROBE_ROWS = (32, 128, 256)
+#: a packed path takes a row count from ``torch._int_mm`` (and aiayn's u8s8 kernel from
+#: torch's best path) only where it runs at most this share of that one's time: packing costs
+#: a second copy of the weight, and a plan should not follow the timing's noise
+PLAN_MARGIN = 0.95
+
+
+def _fbgemm_exact(w: Tensor, wt: Tensor, xs: list[Tensor]):
+    """``w`` packed for :func:`_fbgemm_product`, where this torch has FBGEMM's int8 linear and
+    it gives ``torch._int_mm``'s sums on every probe input of ``xs``; else None."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines or not hasattr(
+            torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32"):
+        return None
+    try:
+        packed = _pack_fbgemm(w)
+        for x in xs:
+            if not torch.equal(_fbgemm_product(x, packed), torch._int_mm(x, wt).float()):
+                return None
+    except RuntimeError:  # pragma: no cover - a torch built without FBGEMM's kernels
+        return None
+    return packed
+
+
+def _onednn_usable(w: Tensor, wt: Tensor, xs: list[Tensor]) -> tuple | None:
+    """``w`` packed for :func:`_packed_product` (oneDNN's int8 linear over a prepacked weight),
+    where that op exists, gives ``torch._int_mm``'s sums on every probe input of ``xs``, and
+    is not screened out: one call of 4 rows (the full-range ones among them) taking
+    :data:`PACKED_SCREEN_SLOWER` times ``torch._int_mm``'s time means oneDNN runs its
+    reference code on this CPU (the family-26 EPYC: 98 ms for 32 x 256 x 768, 0.8 s for 256
+    rows), and the full timing would cost seconds a shape for a clear verdict. Else None."""
+    if not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return None
+    try:
+        packed = _pack(w)
+        few = xs[0][:4]
+        if not torch.equal(_packed_product(few, *packed), torch._int_mm(few, wt).float()):
+            return None
+        screen = _fastest([lambda: torch._int_mm(few, wt),
+                           lambda: _packed_product(few, *packed)], runs=1)
+        if screen[1] > PACKED_SCREEN_SLOWER * screen[0]:
+            return None
+        for x in xs:
+            if not torch.equal(_packed_product(x, *packed), torch._int_mm(x, wt).float()):
+                return None
+    except RuntimeError:  # pragma: no cover - a build whose oneDNN lacks the op's kernels
+        return None
+    return packed
+
+
+def _times(paths: dict, xs: list[Tensor], threads: int) -> dict[str, tuple[float, ...]]:
+    """Each path's fastest of five at each input of ``xs`` (seconds), on ``threads`` torch
+    threads, the paths interleaved at each input."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        names = list(paths)
+        per_x = [_fastest([lambda f=paths[n], x=x: f(x) for n in names]) for x in xs]
+    finally:
+        torch.set_num_threads(before)
+    return {n: tuple(t[i] for t in per_x) for i, n in enumerate(names)}
+
+
+@functools.cache
+def product_times(in_features: int, out_features: int) -> dict[str, dict[str, tuple]]:
+    """Each product path that gives exact sums here, timed on an int8 map of this shape at
+    every row count of :data:`PROBE_ROWS`: ``{"torch": {path: seconds per row count},
+    "one_thread": {path: ...}}``. "torch" holds ``torch._int_mm`` (in the layout
+    :func:`weight_columns_first` picks), FBGEMM's and oneDNN's int8 linear over a weight
+    packed once, on the process's torch threads; "one_thread" those on one thread and aiayn's
+    u8s8 kernel (:func:`u8s8_variant`; it runs on one thread, and only there: ``_product``),
+    the same timings as "torch" where the process runs one thread.
+
+    Measured once per shape and process, each path's fastest of five, the paths interleaved.
+    A path is left out where its op or variant is missing, it fails, or its sums differ from
+    ``torch._int_mm``'s (checked on full-range inputs, where an int16 pair sum would
+    saturate: :func:`_probe_operands`); oneDNN also where a screen finds it running its
+    reference code (:func:`_onednn_usable`). Not the paper's: which product runs changes time
+    only, never a number."""
+    w, wt, xs = _probe_operands(in_features, out_features, PROBE_ROWS)
+    paths = {"int_mm": lambda x: torch._int_mm(x, wt)}
+    onednn = _onednn_usable(w, wt, xs)
+    if onednn is not None:
+        paths["onednn"] = lambda x: _packed_product(x, *onednn)
+    fbgemm = _fbgemm_exact(w, wt, xs)
+    if fbgemm is not None:
+        paths["fbgemm"] = lambda x: _fbgemm_product(x, fbgemm)
+    threads = torch.get_num_threads()
+    times = _times(paths, xs, threads)
+    variant = u8s8_variant()
+    u8s8 = None if variant is None else _exact_u8s8(w, wt, xs, variant)
+    if u8s8 is None:
+        return {"torch": times, "one_thread": times if threads == 1 else {}}
+    one = _times({**paths, "u8s8": lambda x: kernels.u8s8_product(x, *u8s8)}, xs, 1)
+    return {"torch": one if threads == 1 else times, "one_thread": one}
+
+
+def _winner(times: dict[str, tuple], i: int, base: str, margin: float = PLAN_MARGIN) -> str:
+    """The fastest path of ``times`` at probe ``i``, unless it runs above ``margin`` of
+    ``base``'s time there (then ``base``)."""
+    best = min(times, key=lambda n: times[n][i])
+    return best if times[best][i] < margin * times[base][i] else base
 
 
 #: the product paths of an int8 map: ``torch._int_mm`` over the weight as stored, oneDNN's
@@ -304,7 +323,7 @@ def _forced_plan(path: str, in_features: int, out_features: int) -> tuple | None
     """
     if path == "int_mm":
         return None
-    w, wt, xs = _probe_operands(in_features, out_features, FBGEMM_PROBE_ROWS)
+    w, wt, xs = _probe_operands(in_features, out_features, PROBE_ROWS)
     where = f"{FORCE_PRODUCT}={path} ({in_features} x {out_features} weight)"
     if path == "u8s8":
         variant = u8s8_variant()
@@ -329,29 +348,52 @@ def _forced_plan(path: str, in_features: int, out_features: int) -> tuple | None
 def weight_packing(in_features: int, out_features: int) -> tuple | None:
     """How an int8 map of this shape runs its product here: a plan ``((rows, path), ...)``,
     row limits ascending, each product taking the first path whose limit its row count does
-    not exceed; or None (``torch._int_mm`` over the weight as stored, at every row count).
+    not exceed (aiayn's "u8s8" kernel only on one torch thread: on more, the next entry,
+    which holds torch's best path at those rows); or None (``torch._int_mm`` over the weight
+    as stored, at every row count).
 
-    By measurement, every path that wins at some row count is kept: "u8s8" up to
-    :func:`weight_u8s8_rows` (aiayn's kernel, on one thread), then "fbgemm" up to
-    :func:`weight_fbgemm_rows` where that reaches further, then "onednn" where
-    :func:`weight_packed_faster` says so, else ``"int_mm"``, above. ``AIAYN_INT8_PRODUCT``
-    forces one path at every row count (:func:`forced_product`). All paths give the same
-    exact sums."""
+    By measurement (:func:`product_times`): at each row count of :data:`PROBE_ROWS`, torch's
+    fastest path (a packed one only where it takes at most :data:`PLAN_MARGIN` of
+    ``torch._int_mm``'s time), and aiayn's kernel where it takes at most that share of torch's
+    best on one thread; a row count between two probes takes the larger one's path, one above
+    them all the largest's. So every path that wins at some row count is kept, wherever it
+    wins: on the simulated AVX2 class, ``base``'s 512 x 8,003 output map ran 128 rows in 6.8
+    ms with aiayn's kernel against 11.7 with ``torch._int_mm``, level at 32 rows
+    (docs/benchmarks.md). ``AIAYN_INT8_PRODUCT`` forces one path at every row count
+    (:func:`forced_product`). All paths give the same exact sums.
+
+    Raises:
+        ConfigError: ``AIAYN_INT8_PRODUCT`` names no path, or one that cannot run here.
+    """
     forced = forced_product()
     if forced is not None:
         return _forced_plan(forced, in_features, out_features)
+    times = product_times(in_features, out_features)
+    torch_paths = {n: t for n, t in times["torch"].items() if n != "u8s8"}
+    one = times["one_thread"]
+    one_torch = {n: t for n, t in one.items() if n != "u8s8"}
+    choices = []  # per probe: (path, torch's path on more threads where path is u8s8)
+    for i in range(len(PROBE_ROWS)):
+        best = _winner(torch_paths, i, "int_mm")
+        rival = _winner(one_torch, i, "int_mm") if "u8s8" in one else None
+        if rival is not None and one["u8s8"][i] < PLAN_MARGIN * one[rival][i]:
+            choices.append(("u8s8", best))
+        else:
+            choices.append((best, None))
     plan: list[tuple[int, str]] = []
-    u8s8 = weight_u8s8_rows(in_features, out_features)
-    if u8s8:
-        plan.append((u8s8, "u8s8"))
-    if u8s8 < _EVERY:
-        fbgemm = weight_fbgemm_rows(in_features, out_features)
-        if fbgemm > u8s8:
-            plan.append((fbgemm, "fbgemm"))
-        if fbgemm < _EVERY:
-            above = "onednn" if weight_packed_faster(in_features, out_features) else "int_mm"
-            plan.append((_EVERY, above))
-    return None if plan in ([], [(_EVERY, "int_mm")]) else tuple(plan)
+    for i, (path, more_threads) in enumerate(choices):
+        if i + 1 < len(choices) and choices[i + 1] == (path, more_threads):
+            continue  # the next probe's rows take it too
+        rows = PROBE_ROWS[i] if i + 1 < len(choices) else _EVERY
+        plan.append((rows, path))
+        if more_threads is not None:
+            plan.append((rows, more_threads))
+    # a fallback entry the next entry's path repeats (or int_mm at the end) says nothing
+    plan = [entry for j, entry in enumerate(plan)
+            if not (j and plan[j - 1][0] == entry[0] and plan[j - 1][1] == "u8s8"
+                    and (plan[j + 1][1] == entry[1] if j + 1 < len(plan)
+                         else entry[1] == "int_mm"))]
+    return None if plan == [(_EVERY, "int_mm")] else tuple(plan)
 
 
 def warm_up() -> None:
@@ -376,12 +418,15 @@ def warm_up() -> None:
 
 
 def describe_plan(plan: tuple | None) -> str:
-    """A plan of :func:`weight_packing` in words, e.g. "u8s8 up to 32 rows, fbgemm up to
-    128, int_mm above" (the u8s8 variant named)."""
+    """A plan of :func:`weight_packing` in words, e.g. "u8s8 (vnni) up to 32 rows (fbgemm on
+    more threads), int_mm up to 128 rows, u8s8 (vnni) above"."""
     if plan is None:
         return "int_mm at every row count"
-    words = []
-    for rows, path in plan:
+    words: list[str] = []
+    for j, (rows, path) in enumerate(plan):
+        if j and plan[j - 1] == (rows, "u8s8"):
+            words[-1] += f" ({path} on more threads)"
+            continue
         name = f"u8s8 ({u8s8_variant()})" if path == "u8s8" else path
         words.append(f"{name} at every row count" if rows >= _EVERY and not words
                      else f"{name} above" if rows >= _EVERY else f"{name} up to {rows} rows")
@@ -394,49 +439,6 @@ _PACK = {"onednn": _pack, "fbgemm": _pack_fbgemm, "u8s8": _pack_u8s8}
 
 # the packed path is dropped at once where one call of it is this many times _int_mm's
 PACKED_SCREEN_SLOWER = 4.0
-
-
-@functools.cache
-def weight_packed_faster(in_features: int, out_features: int) -> bool:
-    """Whether oneDNN's int8 linear over a prepacked weight (:func:`_packed_product`) runs
-    this shape faster here than ``torch._int_mm`` in the layout :func:`weight_columns_first`
-    picks, and gives its exact sums.
-
-    Measured once per shape and process: products of 32 and of 256 rows (a decoding step's
-    rows, and an encoder's), each path's fastest of five, summed; the packed path must win by
-    10%. It pays where the weight is large: on the Intel Xeon with AMX (bf16 class), one
-    thread, (256 x 512) x (512 x 5852) took 849 us packed against 1,682 us, while (512 x 512)
-    maps ran level (docs/benchmarks.md). False where the op is missing (torch built without
-    oneDNN), fails, gives other sums (checked on full-range inputs, as
-    :func:`weight_levels` checks ``torch._int_mm``), or where one call of 4 rows screens it
-    :data:`PACKED_SCREEN_SLOWER` times slower than ``torch._int_mm`` (oneDNN's reference
-    code, where it has no kernel for the CPU: then the probe costs milliseconds, not
-    seconds)."""
-    if not hasattr(torch.ops.onednn, "qlinear_prepack"):
-        return False
-    w, wt, xs = _probe_operands(in_features, out_features, (32, 256))
-    try:
-        packed = _pack(w)
-        # the screen: 4 rows (the full-range one among them), one exactness call and then
-        # one timed call of each path (the packed path's first call built its kernel). Where
-        # oneDNN has no fast kernel for this CPU the packed product runs its reference code,
-        # thousands of times slower (the family-26 EPYC: 98 ms for 32 x 256 x 768, 0.8 s for
-        # 256 rows), and the full timing below would cost seconds a shape for a clear verdict
-        few = xs[0][:4]
-        if not torch.equal(_packed_product(few, *packed), torch._int_mm(few, wt).float()):
-            return False
-        screen = _fastest([lambda: torch._int_mm(few, wt),
-                           lambda: _packed_product(few, *packed)], runs=1)
-        if screen[1] > PACKED_SCREEN_SLOWER * screen[0]:
-            return False
-        for x in xs:
-            if not torch.equal(_packed_product(x, *packed), torch._int_mm(x, wt).float()):
-                return False
-    except RuntimeError:  # pragma: no cover - a build whose oneDNN lacks the op's kernels
-        return False
-    best = _fastest([lambda x=x: torch._int_mm(x, wt) for x in xs]
-                    + [lambda x=x: _packed_product(x, *packed) for x in xs])
-    return sum(best[len(xs):]) < 0.9 * sum(best[: len(xs)])
 
 
 class Int8Linear(nn.Module):
@@ -754,5 +756,5 @@ def _fusable(q: nn.Module, stack: nn.ModuleList) -> bool:
     return True
 
 
-__all__ = ["Int8Linear", "KernelLayerNorm", "quantize_int8", "weight_columns_first",
-           "weight_fbgemm_rows", "weight_packed_faster", "weight_packing"]
+__all__ = ["Int8Linear", "KernelLayerNorm", "product_times", "quantize_int8",
+           "weight_columns_first", "weight_packing"]

@@ -178,7 +178,7 @@ def u8s8_product(x8: Tensor, packed: np.ndarray, comp: np.ndarray, N: int,
     """
     shape = _U8S8_SHAPES.get(variant)
     # one expression, a few hundred ns: this runs at every product of a decoding step, and a
-    # slower check shifted weight_u8s8_rows' timing (the full message only on failure)
+    # slower check shifted quantize.product_times' timing (the full message only on failure)
     if (shape is None or x8.dtype != torch.int8 or x8.dim() != 2
             or packed.size != ((x8.shape[1] + 3) // 4) * 4 * comp.size
             or not comp.size - shape[1] < N <= comp.size or packed.dtype != np.int8
