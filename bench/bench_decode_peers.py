@@ -1,7 +1,7 @@
 """aiayn against Hugging Face ``generate`` and CTranslate2, decoding the same weights.
 
 Run:  AIAYN_DATA_DIR=../shared/data python bench/bench_decode_peers.py [--models base multi30k]
-      [--searches greedy beam4] [--threads 2] [--sentences 256] [--json-out FILE]
+      [--searches greedy beam4] [--threads 2] [--sentences 256] [--rounds 5] [--json-out FILE]
 
 One random-weight Hugging Face ``MarianMTModel`` per size (``base``: d_model 512, 6+6 layers,
 8 heads, d_ff 2048; ``multi30k``: aiayn's preset, 3+3 layers, d_model 256), relu FFN, with a
@@ -170,6 +170,24 @@ def ct2_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_medians(results: list[dict]) -> None:
+    """Each system's ratio to CTranslate2 int8 per CPU second (wall time where there is no
+    CPU figure), its median over the rounds and every round's, a line per model, search and
+    system."""
+    import statistics
+
+    groups: dict[tuple, list[float]] = {}
+    for row in results:
+        ratio = row.get("x_ct2_int8_best_cpu", row.get("x_ct2_int8_best"))
+        if ratio is not None:
+            groups.setdefault((row["model"], row["search"], row["system"]), []).append(ratio)
+    print("median over the rounds of the ratio to CTranslate2 int8 (per CPU second where "
+          "measured), each round's in brackets:")
+    for (size, search, system), ratios in groups.items():
+        print(f"  {size:>8} {search:>6} {system:<24} {statistics.median(ratios):5.2f}  ["
+              + " ".join(f"{r:.2f}" for r in ratios) + "]", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["base", "multi30k"],
@@ -183,6 +201,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2,
                    help="CPU threads for every system (torch and CTranslate2)")
     p.add_argument("--repeat", type=int, default=1, help="runs per figure; the fastest is kept")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times in turn, and report each ratio's "
+                        "median over the rounds (a machine whose speed drifts by 10%% between "
+                        "minutes slows the systems of a round alike, not one system's runs)")
     p.add_argument("--skip", nargs="*", default=[],
                    help="systems to leave out (e.g. hf-fp32 hf-bf16 ct2-default)")
     p.add_argument("--device", default=None,
@@ -290,13 +312,13 @@ def main() -> int:
 
         hf = MarianMTModel.from_pretrained(hf_dir).eval()
         tok = MarianTokenizer.from_pretrained(hf_dir)
-        for search in args.searches:
+        for round_, search in [(r, s) for r in range(args.rounds) for s in args.searches]:
             beam = 1 if search == "greedy" else int(search.removeprefix("beam"))
             rows: dict[str, dict] = {}
             ref_tokens = None
 
             def record(name, seconds, tokens_lists=None, cpu_seconds=None, **extra):
-                row = {"model": size, "search": search, "system": name,
+                row = {"model": size, "search": search, "system": name, "round": round_,
                        "sent_per_s": len(lines) / seconds, "seconds": seconds, **extra}
                 if cpu_seconds:
                     row["sent_per_cpu_s"] = len(lines) / cpu_seconds
@@ -474,6 +496,8 @@ def main() -> int:
                       + ", ".join(f"{r['system']} {r['x_ct2_int8_best_cpu']:.2f}"
                                   for r in rows.values() if "x_ct2_int8_best_cpu" in r),
                       flush=True)
+    if args.rounds > 1:
+        _print_medians(results)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({**info, "results": results,
                                                    "not_run": skipped}, indent=1),

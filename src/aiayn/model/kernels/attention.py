@@ -36,6 +36,9 @@ from aiayn.model.kernels.intrinsics import (
 from aiayn.model.kernels.jit import _njit
 from aiayn.model.kernels.rows import _exp_term, _sum
 
+# _exp_term is inlined here: a change to it (its floor, rows.py) must touch this file too, or
+# numba's on-disk cache keeps the old code (it watches only a kernel's own file). Floor: e^-64.
+
 @_njit(inline="always")
 def _prefetch_rows(a, offsets, n, shift, d):  # pragma: no cover - compiled
     # prefetch the n rows of d elements of the flat storage a that start at offsets[:n] +

@@ -167,14 +167,23 @@ def _beam_top(logp, live, k, G, values, index):  # pragma: no cover - compiled
     return True
 
 
-# expf on [-87, 0] in lanes: Cephes' single-precision polynomial (within 1 ulp of exp down to
-# e^-80, measured; nearer the underflow, terms too small to move a sum that holds 1), 2^n
-# made from the exponent's bits. numba's np.exp is one libm call per element, which
-# does not vectorize: 5-10x slower than torch's log_softmax over a row of logits.
+# expf on [-64, 0] in lanes: Cephes' single-precision polynomial (within 1 ulp of exp down to
+# the floor, measured), 2^n made from the exponent's bits. numba's np.exp is one libm call
+# per element, which does not vectorize: 5-10x slower than torch's log_softmax over a row of
+# logits. The floor: every exponential below e^-64 (2^-92.3) is taken as e^-64. Such a term
+# cannot move a sum that holds 1 (2^20 of them are < 2^-72 of it), and an attention weight
+# there times any value above 2^-34 stays a normal float. Floored at e^-87 (2^-125.5), as
+# before, peaked attention made weights and weight x value products at the edge of the
+# float32 range, below 2^-126, where every x86 CPU takes a microcode assist on each vector
+# instruction that meets one: the random `base` model of bench/bench_decode_peers.py, with
+# 36% of its self-attention scores 87 below their row's largest, spent 40% of its
+# self-attention step there (713 against 526 us a step, bf16 class). Kernels that inline
+# _exp_term (attention.py, steps.py) say so, so that numba's cache, which watches only a
+# kernel's own file, recompiles them when this changes.
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
-_EXP_FLOOR = np.float32(-87.0)  # 2^-125.5: a sum over < 2^20 such terms is < 2^-105 of 1
+_EXP_FLOOR = np.float32(-64.0)  # 2^-92.3 (see above)
 _P0, _P1, _P2 = np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(
     8.3334519073e-3)
 _P3, _P4, _P5 = np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(

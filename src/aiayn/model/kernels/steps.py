@@ -22,6 +22,9 @@ from aiayn.model.kernels.intrinsics import _LANES, _put, _store_rows
 from aiayn.model.kernels.jit import _njit
 from aiayn.model.kernels.rows import _sum
 
+# _attend (and through it rows._exp_term) is inlined here: a change to either must touch this
+# file too, or numba's on-disk cache keeps the old code. Exponentials floored at e^-64.
+
 @_njit()
 def _rescale_add(acc, x_scale, w_scale, bias, has_bias, resid):  # pragma: no cover - compiled
     # resid + _rescale(acc, ...): a sub-layer's output map and its residual connection (§5.4,
