@@ -272,6 +272,26 @@ def test_log_softmax_kernel_is_torchs_within_rounding(shape):
                               equal_nan=True)
 
 
+def test_the_exponential_is_exp_down_to_its_floor_and_keeps_weights_normal():
+    """rows._exp_term, the exponential of attention's weights and of the log-softmax's sums:
+    within 2 float32 ulp of exp on [-64, 0]; below, e^-64's value (at least 2^-93), so a
+    weight there, scaled by 1/sum >= 2^-20 and times a value above 2^-13, stays a normal
+    float32. With its old floor, e^-87 (2^-125.5), those products fell below 2^-126, where
+    each vector instruction meeting one took a microcode assist (docs/kernels.md): this
+    fails there."""
+    from aiayn.model.kernels.rows import _EXP_FLOOR, _exp_term
+
+    d = np.linspace(-64.0, 0.0, 2001).astype(np.float32)
+    got = np.array([_exp_term(x) for x in d], dtype=np.float64)
+    want = np.exp(d.astype(np.float64))
+    assert np.all(np.abs(got - want) <= 2 * np.finfo(np.float32).eps * want)
+    floor = _exp_term(_EXP_FLOOR)
+    for x in (-64.5, -80.0, -87.0, -200.0, -3.0e38):
+        assert _exp_term(np.float32(x)) == floor, x
+    tiny = np.float32(floor) * np.float32(2.0**-20) * np.float32(2.0**-13)
+    assert tiny >= np.finfo(np.float32).tiny  # normal, not subnormal
+
+
 @pytest.mark.parametrize("bias, packed", [(True, False), (False, False), (True, True)])
 def test_int8_output_layer_log_softmax_is_its_logits_log_softmax(bias, packed):
     """Int8Linear.log_softmax (one kernel from the product's sums) against log_softmax of the

@@ -279,13 +279,14 @@ def product_times(in_features: int, out_features: int) -> dict[str, dict[str, tu
     if fbgemm is not None:
         paths["fbgemm"] = lambda x: _fbgemm_product(x, fbgemm)
     threads = torch.get_num_threads()
-    times = _times(paths, xs, threads)
     variant = u8s8_variant()
     u8s8 = None if variant is None else _exact_u8s8(w, wt, xs, variant)
-    if u8s8 is None:
-        return {"torch": times, "one_thread": times if threads == 1 else {}}
-    one = _times({**paths, "u8s8": lambda x: kernels.u8s8_product(x, *u8s8)}, xs, 1)
-    return {"torch": one if threads == 1 else times, "one_thread": one}
+    ours = {} if u8s8 is None else {"u8s8": lambda x: kernels.u8s8_product(x, *u8s8)}
+    # each path timed once: on one thread where the process runs one (a decoding worker)
+    one = _times({**paths, **ours}, xs, 1) if threads == 1 or ours else {}
+    torch_times = ({n: t for n, t in one.items() if n != "u8s8"} if threads == 1
+                   else _times(paths, xs, threads))
+    return {"torch": torch_times, "one_thread": one}
 
 
 def _winner(times: dict[str, tuple], i: int, base: str, margin: float = PLAN_MARGIN) -> str:
@@ -369,7 +370,7 @@ def weight_packing(in_features: int, out_features: int) -> tuple | None:
     if forced is not None:
         return _forced_plan(forced, in_features, out_features)
     times = product_times(in_features, out_features)
-    torch_paths = {n: t for n, t in times["torch"].items() if n != "u8s8"}
+    torch_paths = times["torch"]
     one = times["one_thread"]
     one_torch = {n: t for n, t in one.items() if n != "u8s8"}
     choices = []  # per probe: (path, torch's path on more threads where path is u8s8)
